@@ -1,0 +1,59 @@
+"""First-moment codes: nearest-level quantisation and the packed 4-bit layout.
+
+Codes of one segment start on a byte boundary. At 4 bits, element 2i of a segment is the low
+nibble of byte i and element 2i+1 the high nibble, so a segment of n elements takes ceil(n/2)
+bytes and a state saved at 4 bits stays at 4 bits. Ties between two levels go to the lower one;
+native kernels must do the same to match the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def code_bytes(numel: int, bits: int) -> int:
+    return numel if bits == 8 else (numel + 1) // 2
+
+
+def midpoints(levels: torch.Tensor) -> torch.Tensor:
+    return (levels[1:] + levels[:-1]) * 0.5
+
+
+def quantize(x: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest level for values already divided by their block absmax."""
+    return torch.bucketize(x, mids).to(torch.uint8)
+
+
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    n = codes.numel()
+    if n % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack4(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    out = torch.stack([packed & 0xF, packed >> 4], dim=1).view(-1)
+    return out[:numel]
+
+
+def read_codes(codes: torch.Tensor, a: int, b: int, bits: int) -> torch.Tensor:
+    """Codes of elements [a, b) of one segment whose code bytes are ``codes``."""
+    if bits == 8:
+        return codes[a:b]
+    lo = a // 2
+    return unpack4(codes[lo : (b + 1) // 2], 2 * ((b + 1) // 2 - lo))[a - 2 * lo : b - 2 * lo]
+
+
+def write_codes(codes: torch.Tensor, a: int, b: int, new: torch.Tensor, bits: int) -> None:
+    """Store codes of elements [a, b); at 4 bits the neighbours sharing an edge byte are kept."""
+    if bits == 8:
+        codes[a:b] = new
+        return
+    lo, hi = a // 2, (b + 1) // 2
+    if a % 2 == 0 and b % 2 == 0:
+        codes[lo:hi] = pack4(new)
+        return
+    merged = unpack4(codes[lo:hi], 2 * (hi - lo))
+    merged[a - 2 * lo : b - 2 * lo] = new
+    codes[lo:hi] = pack4(merged)

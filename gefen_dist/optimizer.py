@@ -1,0 +1,333 @@
+"""``gefen_dist.Gefen``: a drop-in for ``torch.optim.AdamW`` with about 1 byte of state per parameter.
+
+At the first step at which a parameter has a gradient, its block size is chosen from g0^2
+(``partition``); at the first step of all, the codebook of m is learned once from a histogram of
+block-normalised g0 (``codebook``). Later steps run the reference update (``reference``) over the
+parameter's segments (``segments``, ``state``). The optimizer never needs names, shapes beyond the
+tensors' own, or any setting AdamW does not have, other than ``bits``.
+
+Distributed integrations hand the optimizer each buffer's segments (``set_segments``) and replace
+``_reduce_stats`` / ``_reduce_histogram`` by collectives, so every rank chooses the same blocks
+and learns the same codebook.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from . import codebook as cb
+from . import partition, state
+from .codes import midpoints
+from .reference import Hyper, block_update, dense_update
+from .segments import Segment, block_runs, plain_segments
+
+DEFAULT_BITS = 8
+
+
+class Gefen(Optimizer):
+    """AdamW with a block-shared second moment and a learned-codebook first moment.
+
+    Arguments are those of ``torch.optim.AdamW`` (same defaults) plus ``bits`` (8 or 4: the
+    width of the stored first-moment codes; 4-bit codes are packed two per byte). ``amsgrad``,
+    ``capturable`` and ``differentiable`` are not supported; ``foreach`` and ``fused`` are
+    accepted so that a one-line swap from AdamW works, and do not change the results.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        bits: int = DEFAULT_BITS,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+    ) -> None:
+        if amsgrad:
+            raise ValueError("Gefen does not support amsgrad=True (it keeps no per-element max v)")
+        if capturable or differentiable:
+            raise ValueError("Gefen does not support capturable=True or differentiable=True")
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bits=bits, maximize=maximize
+        )
+        super().__init__(params, defaults)
+        self._segments: dict[torch.Tensor, list[Segment]] = {}
+        self._codebooks: dict[int, torch.Tensor] = {}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyper(group)
+        for p in group["params"]:
+            if p.is_complex():
+                raise TypeError(f"Gefen does not support complex parameters ({self._name(p)})")
+
+    # -- integration hooks -------------------------------------------------------------------
+    def set_segments(self, param: torch.Tensor, segments: list[Segment]) -> None:
+        """Declare which original tensors' pieces lie in ``param`` (an FSDP/ZeRO flat buffer).
+
+        Must be called before the parameter's first step; segments must tile the buffer."""
+        if param in self.state and self.state[param]:
+            raise RuntimeError(f"{self._name(param)} already has state; set segments before step()")
+        covered = sorted((s.offset, s.offset + s.numel) for s in segments)
+        pos = 0
+        for lo, hi in covered:
+            if lo != pos:
+                raise ValueError(
+                    f"segments of {self._name(param)} must tile it: gap or overlap at {pos}"
+                )
+            pos = hi
+        if pos != param.numel():
+            raise ValueError(
+                f"segments of {self._name(param)} cover {pos} of {param.numel()} elements"
+            )
+        self._segments[param] = sorted(segments, key=lambda s: s.offset)
+
+    def _reduce_stats(
+        self, pieces: dict[Hashable, list[partition.TensorStats]]
+    ) -> dict[Hashable, partition.TensorStats]:
+        return {k: partition.merge_stats(v) for k, v in pieces.items()}
+
+    def _reduce_histogram(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts
+
+    # -- step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pending = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise TypeError(f"Gefen does not support sparse gradients ({self._name(p)})")
+                if not self.state.get(p):
+                    pending.append((p, group))
+        if pending:
+            self._initialize(pending)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["step"] += 1
+                h = Hyper(
+                    lr=float(group["lr"]),
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=int(st["step"].item()),
+                )
+                levels = st["codebook"]
+                mids, bits = midpoints(levels), state.bits_of(levels)
+                flat_p = _flat(p, self._name(p))
+                flat_g = _flat(p.grad, self._name(p))
+                if group["maximize"]:
+                    flat_g = -flat_g
+                for offset, seg in state.segment_views(st):
+                    ps = flat_p[offset : offset + seg.numel]
+                    gs = flat_g[offset : offset + seg.numel]
+                    if seg.block_size == 1:
+                        dense_update(ps, gs, seg, h)
+                    else:
+                        block_update(ps, gs, seg, h, levels, mids, bits)
+        return loss
+
+    def _initialize(self, pending: list[tuple[torch.Tensor, dict]]) -> None:
+        """Partition newly seen parameters; learn the codebooks if this is the first time."""
+        pieces: dict[Hashable, list[partition.TensorStats]] = {}
+        numel_of: dict[Hashable, int] = {}
+        plan = []
+        for p, group in pending:
+            segs = self._segments.get(p) or plain_segments(p.numel(), tuple(p.shape))
+            flat_g = _flat(p.grad, self._name(p))
+            keys = []
+            for i, seg in enumerate(segs):
+                key = seg.name or (id(p), i)
+                st = partition.segment_stats(
+                    flat_g[seg.offset : seg.offset + seg.numel],
+                    seg.start,
+                    partition.candidate_block_sizes(seg.shape),
+                )
+                if not (math.isfinite(st.s1) and math.isfinite(st.s2)):
+                    raise ValueError(
+                        f"non-finite gradient in {seg.name or self._name(p)} at its first step: "
+                        "Gefen learns its block partition and codebook from it and will not "
+                        "learn them from inf/NaN (check the loss, or the AMP grad scaler)"
+                    )
+                pieces.setdefault(key, []).append(st)
+                numel_of[key] = seg.tensor_numel
+                keys.append(key)
+            plan.append((p, group, segs, keys))
+        merged = self._reduce_stats(pieces)
+        block_of = {k: partition.choose_block_size(s, numel_of[k]) for k, s in merged.items()}
+
+        new_bits = sorted({g["bits"] for _, g, _, _ in plan} - set(self._codebooks))
+        if new_bits:
+            counts = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64)
+            for p, _, segs, keys in plan:
+                flat_g = _flat(p.grad, self._name(p))
+                for seg, key in zip(segs, keys, strict=True):
+                    _histogram(flat_g[seg.offset : seg.offset + seg.numel], seg, block_of[key], counts)
+            counts = self._reduce_histogram(counts)
+            for bits in new_bits:
+                self._codebooks[bits] = cb.learn_codebook(counts, bits)
+
+        for p, group, segs, keys in plan:
+            blocks = [block_of[k] for k in keys]
+            self.state[p] = state.allocate(segs, blocks, self._codebooks[group["bits"]], p.device)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a Gefen state dict; checks every parameter's state fits before touching anything.
+
+        Torch's loader would cast every floating state tensor to the parameter's dtype (and the
+        uint8 codes with them), so the per-parameter state is installed here, as saved."""
+        groups = self.param_groups
+        saved_groups = state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError(
+                f"state dict has {len(saved_groups)} param groups, optimizer has {len(groups)}"
+            )
+        saved_state = state_dict["state"]
+        install = []
+        for group, saved in zip(groups, saved_groups, strict=True):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"a saved param group has {len(saved['params'])} parameters, "
+                    f"the optimizer's has {len(group['params'])}"
+                )
+            bits = saved.get("bits", group["bits"])
+            for pid, p in zip(saved["params"], group["params"], strict=True):
+                if pid not in saved_state:
+                    continue
+                segs = self._segments.get(p) or plain_segments(p.numel(), tuple(p.shape))
+                st = saved_state[pid]
+                state.check_loaded(st, segs, bits, self._name(p))
+                install.append((p, st))
+        stripped = dict(state_dict)
+        stripped["state"] = {}
+        super().load_state_dict(stripped)
+        self.state.clear()
+        self._codebooks.clear()
+        for p, st in install:
+            new = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in st.items()}
+            self.state[p] = {k: new[k] for k in state.STATE_KEYS}
+            self._codebooks.setdefault(state.bits_of(new["codebook"]), new["codebook"])
+
+    # -- reporting ---------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, Any]:
+        """State bytes per parameter tensor and in total, next to what AdamW would keep."""
+        rows = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if not st:
+                    continue
+                layout = st["layout"].tolist()
+                fallback = sum(n for _, n, _, bs in layout if bs == 1)
+                rows.append(
+                    dict(
+                        name=self._name(p),
+                        shape=tuple(p.shape),
+                        numel=p.numel(),
+                        block_sizes=sorted({bs for *_, bs in layout}),
+                        fallback_numel=fallback,
+                        state_bytes=state.state_bytes(st),
+                        adamw_bytes=8 * p.numel(),
+                    )
+                )
+        total = sum(r["state_bytes"] for r in rows)
+        params = sum(r["numel"] for r in rows)
+        return dict(
+            tensors=rows,
+            state_bytes=total,
+            params=params,
+            bytes_per_param=total / params if params else 0.0,
+            adamw_bytes=8 * params,
+            fallback_numel=sum(r["fallback_numel"] for r in rows),
+            bits=sorted(self._codebooks),
+            backend="reference",
+        )
+
+    def _name(self, p: torch.Tensor) -> str:
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    names = group.get("param_names")
+                    if names:
+                        return f"parameter {names[i]!r} {tuple(p.shape)}"
+                    return f"parameter {i} of param group {gi} {tuple(p.shape)}"
+        return f"parameter {tuple(p.shape)}"
+
+
+def format_memory_report(report: dict[str, Any]) -> str:
+    lines = [f"{'tensor':<44} {'numel':>10} {'B':>10} {'state B':>11} {'AdamW B':>11}"]
+    for r in report["tensors"]:
+        bs = ",".join(map(str, r["block_sizes"]))
+        lines.append(
+            f"{r['name'][:44]:<44} {r['numel']:>10} {bs:>10} "
+            f"{r['state_bytes']:>11} {r['adamw_bytes']:>11}"
+        )
+    lines.append(
+        f"total: {report['state_bytes']} bytes = {report['bytes_per_param']:.3f} bytes/param "
+        f"(AdamW {report['adamw_bytes']} = 8.000); B = 1 fallback on "
+        f"{report['fallback_numel']} of {report['params']} parameters"
+    )
+    return "\n".join(lines)
+
+
+def _check_hyper(g: dict[str, Any]) -> None:
+    lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"lr must be a number or a one-element tensor, got shape {lr.shape}")
+    if not float(lr) >= 0.0:
+        raise ValueError(f"Invalid lr: {float(lr)} (must be >= 0)")
+    if not 0.0 <= b1 < 1.0:
+        raise ValueError(f"Invalid betas[0]: {b1} (must be in [0, 1))")
+    if not 0.0 <= b2 < 1.0:
+        raise ValueError(f"Invalid betas[1]: {b2} (must be in [0, 1))")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid eps: {eps} (must be >= 0)")
+    if not wd >= 0.0:
+        raise ValueError(f"Invalid weight_decay: {wd} (must be >= 0)")
+    if g["bits"] not in (4, 8) or isinstance(g["bits"], bool):
+        raise ValueError(f"Invalid bits: {g['bits']!r} (must be 4 or 8)")
+
+
+def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"Gefen needs contiguous parameters and gradients; {name} is not")
+    return t.view(-1)
+
+
+def _histogram(g: torch.Tensor, seg: Segment, block_size: int, counts: torch.Tensor) -> None:
+    """Add block-normalised values g / absmax(block) of one segment to ``counts``."""
+    if block_size == 1:
+        return
+    for run in block_runs(seg.start, seg.numel, block_size):
+        rows = max(1, partition._CHUNK // run.length)
+        for r0 in range(0, run.count, rows):
+            r1 = min(r0 + rows, run.count)
+            x = g[run.elem + r0 * run.length : run.elem + r1 * run.length]
+            x = x.float().view(r1 - r0, run.length)
+            amax = x.abs().amax(dim=1, keepdim=True)
+            x = x[amax.view(-1) > 0] / amax[amax.view(-1) > 0]
+            cb.histogram(x, cb.DEFAULT_BINS, out=counts)

@@ -1,0 +1,186 @@
+"""Block partition: how many consecutive elements of a tensor share one second moment and one scale.
+
+Why: parameters whose first squared gradients g0^2 are alike tend to be Hessian-aligned and can
+share v (Gefen, Theorem 4.1); larger blocks cost less state. The block size B is chosen once, from
+g0^2, per original tensor, and is then the same on every rank that holds a piece of it.
+
+The rule, exactly:
+
+1. Candidates: divisors p of the tensor's size n with MIN_BLOCK <= p <= min(MAX_BLOCK, n // 2)
+   that are aligned with its rows (row = product of all dims but the first; a 1-D tensor is one
+   row): p divides the row length or is a whole number of rows. Tensors smaller than
+   MIN_SHARED_NUMEL keep B = 1: their state is negligible and their statistics too noisy to trust.
+2. For each candidate, the within-block heterogeneity, Bessel-corrected and normalised by the
+   tensor's total variance of g0^2:
+       R(p) = [sum_b sum_{i in b} (x_i - mean_b)^2 / (n - n/p)] / [sum_i (x_i - mean)^2 / (n - 1)]
+   With no structure (i.i.d. x) R(p) ~ 1 for every p; blocks that follow the structure give R < 1;
+   a block that straddles a structural boundary shows up as a jump in R.
+3. Growth: p is reachable if R(p) <= STRUCTURE and, when some smaller candidate dividing p is
+   reachable, R(p) <= (1 + JUMP) * R(q) for at least one such reachable q. Growing a block from q
+   to a multiple p is allowed while it does not get clearly (JUMP) more heterogeneous; a straddling
+   size (1.5 rows) fails against every reachable divisor, so the aligned row wins over it.
+4. B = the largest reachable p (prefer large blocks: memory); none reachable -> B = 1 (no sharing).
+
+The statistics are sums over blocks, gathered per segment (a tensor's piece in a buffer) with the
+cut blocks at its two ends kept apart, so pieces held by different ranks can be merged into exactly
+the numbers one process would compute for the whole tensor (see ``merge_stats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MIN_BLOCK = 8
+MAX_BLOCK = 1 << 17
+MIN_SHARED_NUMEL = 4096
+STRUCTURE = 0.85
+JUMP = 0.05
+_CHUNK = 1 << 18
+
+
+def candidate_block_sizes(shape: tuple[int, ...]) -> list[int]:
+    n = 1
+    for s in shape:
+        n *= s
+    if n < MIN_SHARED_NUMEL:
+        return []
+    row = n // shape[0] if len(shape) > 1 and shape[0] > 0 else n
+    hi = min(MAX_BLOCK, n // 2)
+    out = []
+    for p in _divisors(n):
+        if MIN_BLOCK <= p <= hi and (row % p == 0 or p % row == 0):
+            out.append(p)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+@dataclass
+class TensorStats:
+    """Additive g0^2 statistics of one tensor, or of pieces of it.
+
+    ``block_sq[i]`` is the sum over whole blocks of size ``candidates[i]`` of (block sum)^2;
+    ``partial[i]`` maps a block index to the partial sum of a block cut by a segment end, so that
+    pieces from different segments or ranks add up to whole blocks in ``merge_stats``.
+    """
+
+    candidates: list[int]
+    count: float = 0.0
+    s1: float = 0.0
+    s2: float = 0.0
+    block_sq: list[float] = field(default_factory=list)
+    partial: list[dict[int, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.block_sq:
+            self.block_sq = [0.0] * len(self.candidates)
+        if not self.partial:
+            self.partial = [{} for _ in self.candidates]
+
+
+def segment_stats(grad: torch.Tensor, start: int, candidates: list[int]) -> TensorStats:
+    """Statistics of x = grad^2 for a piece of a tensor starting at flat index ``start``.
+
+    Works in chunks so that partitioning a huge tensor never allocates a tensor-sized temporary.
+    """
+    stats = TensorStats(list(candidates))
+    flat = grad.reshape(-1)
+    n = flat.numel()
+    end = start + n
+    carry = [0.0] * len(candidates)
+    for a in range(0, n, _CHUNK):
+        x = flat[a : a + _CHUNK].double().square_()
+        stats.count += x.numel()
+        stats.s1 += float(x.sum())
+        stats.s2 += float(x.square().sum())
+        prefix = torch.cat([x.new_zeros(1), x.cumsum(0)])
+        t0, t1 = start + a, start + a + x.numel()
+        for i, p in enumerate(candidates):
+            first = (t0 // p + 1) * p
+            if first > t1:
+                carry[i] += float(prefix[-1])
+                continue
+            at = prefix[torch.arange(first - t0, t1 - t0 + 1, p)]
+            sums = torch.diff(at, prepend=prefix[:1])
+            sums[0] += carry[i]
+            block_lo = t0 // p
+            if (block_lo * p) < start:
+                stats.partial[i][block_lo] = stats.partial[i].get(block_lo, 0.0) + float(sums[0])
+                sums = sums[1:]
+            stats.block_sq[i] += float(sums.square().sum())
+            carry[i] = float(prefix[-1] - at[-1])
+    for i, p in enumerate(candidates):
+        if n and end % p:
+            last = (end - 1) // p
+            stats.partial[i][last] = stats.partial[i].get(last, 0.0) + carry[i]
+    return stats
+
+
+def merge_stats(parts: list[TensorStats]) -> TensorStats:
+    """Add the statistics of pieces; cut blocks whose pieces all arrived become whole blocks."""
+    if not parts:
+        raise ValueError("merge_stats needs at least one piece")
+    out = TensorStats(list(parts[0].candidates))
+    for s in parts:
+        if s.candidates != out.candidates:
+            raise ValueError("pieces of one tensor must share candidate block sizes")
+        out.count += s.count
+        out.s1 += s.s1
+        out.s2 += s.s2
+        for i in range(len(out.candidates)):
+            out.block_sq[i] += s.block_sq[i]
+            for b, v in s.partial[i].items():
+                out.partial[i][b] = out.partial[i].get(b, 0.0) + v
+    return out
+
+
+def heterogeneity(stats: TensorStats, numel: int) -> list[float]:
+    """R(p) for each candidate (module docstring, step 2); inf where undefined."""
+    n = float(numel)
+    if stats.count != n:
+        raise ValueError(f"statistics cover {stats.count:.0f} of {numel} elements")
+    total = stats.s2 - stats.s1 * stats.s1 / n
+    if not total > 0.0:
+        return [float("inf")] * len(stats.candidates)
+    total /= n - 1.0
+    out = []
+    for p, sq, part in zip(stats.candidates, stats.block_sq, stats.partial, strict=True):
+        sq = sq + sum(v * v for v in part.values())
+        within = max(stats.s2 - sq / p, 0.0) / (n - n / p)
+        out.append(within / total)
+    return out
+
+
+def choose_block_size(stats: TensorStats, numel: int) -> int:
+    """Apply the rule in the module docstring to merged statistics of a whole tensor."""
+    cands = stats.candidates
+    if not cands:
+        return 1
+    r = heterogeneity(stats, numel)
+    reachable: list[int] = []
+    for i, p in enumerate(cands):
+        if not r[i] <= STRUCTURE:
+            continue
+        below = [j for j in reachable if p % cands[j] == 0]
+        if not below or any(r[i] <= (1.0 + JUMP) * r[j] for j in below):
+            reachable.append(i)
+    return cands[reachable[-1]] if reachable else 1
+
+
+def block_size_for(grad: torch.Tensor, shape: tuple[int, ...] | None = None) -> int:
+    """Block size for a whole tensor from its first gradient, in one process."""
+    shape = tuple(grad.shape) if shape is None else tuple(shape)
+    cands = candidate_block_sizes(shape)
+    return choose_block_size(segment_stats(grad, 0, cands), grad.numel())

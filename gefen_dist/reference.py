@@ -1,0 +1,130 @@
+"""The reference update: the readable spec of one Gefen step on one segment, in plain PyTorch.
+
+Every native kernel is tested against these functions. Per block of B elements (METHOD.md, 4):
+
+    m     = levels[code] * absmax                      dequantise
+    m     = b1 * m + (1 - b1) * g                      (lerp, as AdamW)
+    v     = b2 * v + (1 - b2) * mean(g^2 over block)   one v per block
+    p     = p * (1 - lr * wd)                          decoupled weight decay
+    p     = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    absmax, code = max|m| over block, nearest level of m / absmax
+
+The parameter moves with the unquantised m of this step; only what is stored is quantised, so the
+quantisation error enters once per step instead of compounding through the update. Segments with
+B = 1 keep exact AdamW state (fp32 m and v) and follow torch.optim.AdamW's operations.
+
+Memory: work goes chunk by chunk. A chunk holds whole blocks and at most max(CHUNK, B) elements,
+and the temporaries of one chunk are at most ~40 bytes per element (fp32 copies of g, m, p and the
+int64 indices that gather and bucketize produce), so a step allocates at most
+40 * max(CHUNK, MAX_BLOCK) bytes = 5 MiB beyond the state, whatever the parameter's size.
+Maths is fp32 for fp32, bf16 and fp16 parameters and gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .codes import quantize, read_codes, write_codes
+from .segments import block_runs
+
+CHUNK = 1 << 17
+
+
+@dataclass
+class Hyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+
+    @property
+    def step_size(self) -> float:
+        return self.lr / (1.0 - self.beta1**self.step)
+
+    @property
+    def bc2_sqrt(self) -> float:
+        return math.sqrt(1.0 - self.beta2**self.step)
+
+
+@dataclass
+class SegmentState:
+    """Views into a parameter's state tensors for one segment (see ``state.py``)."""
+
+    start: int
+    numel: int
+    block_size: int
+    codes: torch.Tensor | None = None
+    absmax: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+
+
+def dense_update(p: torch.Tensor, g: torch.Tensor, st: SegmentState, h: Hyper) -> None:
+    """B = 1: AdamW on fp32 state, in torch.optim.AdamW's order of operations."""
+    for a in range(0, st.numel, CHUNK):
+        b = min(a + CHUNK, st.numel)
+        pc, gc = p[a:b], g[a:b].float()
+        p32 = pc if pc.dtype == torch.float32 else pc.float()
+        m, v = st.exp_avg[a:b], st.exp_avg_sq[a:b]
+        p32.mul_(1.0 - h.lr * h.weight_decay)
+        m.lerp_(gc, 1.0 - h.beta1)
+        v.mul_(h.beta2).addcmul_(gc, gc, value=1.0 - h.beta2)
+        denom = (v.sqrt() / h.bc2_sqrt).add_(h.eps)
+        p32.addcdiv_(m, denom, value=-h.step_size)
+        if p32 is not pc:
+            pc.copy_(p32)
+
+
+def block_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    st: SegmentState,
+    h: Hyper,
+    levels: torch.Tensor,
+    mids: torch.Tensor,
+    bits: int,
+) -> None:
+    """Shared-v, quantised-m update of one segment (flat views ``p`` and ``g`` of its elements)."""
+    for run in block_runs(st.start, st.numel, st.block_size):
+        rows = max(1, CHUNK // run.length)
+        for r0 in range(0, run.count, rows):
+            r1 = min(r0 + rows, run.count)
+            a = run.elem + r0 * run.length
+            b = run.elem + r1 * run.length
+            blocks = slice(run.block + r0, run.block + r1)
+            _update_blocks(
+                p[a:b].view(r1 - r0, run.length),
+                g[a:b].view(r1 - r0, run.length),
+                st,
+                a,
+                b,
+                blocks,
+                h,
+                levels,
+                mids,
+                bits,
+            )
+
+
+def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits) -> None:
+    g32 = g.float()
+    absmax, v = st.absmax[blocks], st.v[blocks]
+    m = levels[read_codes(st.codes, a, b, bits).long()].view_as(g32).mul_(absmax[:, None])
+    m.lerp_(g32, 1.0 - h.beta1)
+    v.mul_(h.beta2).add_(g32.square().mean(dim=1), alpha=1.0 - h.beta2)
+    p32 = p if p.dtype == torch.float32 else p.float()
+    p32.mul_(1.0 - h.lr * h.weight_decay)
+    denom = (v.sqrt() / h.bc2_sqrt).add_(h.eps)
+    p32.addcdiv_(m, denom[:, None], value=-h.step_size)
+    if p32 is not p:
+        p.copy_(p32)
+    amax = m.abs().amax(dim=1)
+    absmax.copy_(amax)
+    m.div_(torch.where(amax > 0, amax, torch.ones_like(amax))[:, None])
+    write_codes(st.codes, a, b, quantize(m, mids).view(-1), bits)

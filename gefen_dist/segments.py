@@ -1,0 +1,92 @@
+"""Segments: the unit the state manager works on.
+
+A segment is a contiguous run of one original tensor's elements inside the buffer the optimizer is
+handed. A plain parameter is one segment; an FSDP flat shard or a DeepSpeed ZeRO partition is
+several, and a tensor split over ranks is a segment on each rank. Blocks are laid in the original
+tensor's coordinates (block k covers elements [kB, (k+1)B) of the flattened tensor) and cut at
+segment boundaries, so every rank that holds a piece of a tensor agrees on where blocks lie without
+talking to the others, and no block ever crosses a segment or a shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where one original tensor's piece sits in the optimizer's buffer.
+
+    ``offset``: first element inside the buffer; ``numel``: length of the run; ``start``: index of
+    the run's first element in the original tensor, flattened; ``shape``: the original tensor's
+    shape (the partition reads its structure from it); ``name``: for error messages.
+    """
+
+    offset: int
+    numel: int
+    start: int
+    shape: tuple[int, ...]
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        total = 1
+        for s in self.shape:
+            total *= s
+        if self.offset < 0 or self.numel < 0 or self.start < 0:
+            raise ValueError(f"segment {self.name!r}: offset, numel and start must be >= 0")
+        if self.start + self.numel > total:
+            raise ValueError(
+                f"segment {self.name!r}: elements [{self.start}, {self.start + self.numel}) "
+                f"lie outside a tensor of shape {self.shape}"
+            )
+
+    @property
+    def tensor_numel(self) -> int:
+        total = 1
+        for s in self.shape:
+            total *= s
+        return total
+
+
+@dataclass(frozen=True)
+class Run:
+    """Equal-length consecutive blocks of a segment: ``count`` blocks of ``length`` elements that
+    start at element ``elem`` of the segment and at block ``block`` of the segment's blocks."""
+
+    elem: int
+    block: int
+    length: int
+    count: int
+
+
+def num_blocks(start: int, numel: int, block_size: int) -> int:
+    if numel == 0:
+        return 0
+    return (start + numel - 1) // block_size - start // block_size + 1
+
+
+def block_runs(start: int, numel: int, block_size: int) -> list[Run]:
+    """Split a segment into at most three runs (cut head block, whole blocks, cut tail block), so
+    the update can view each run as a (count, length) matrix."""
+    if numel == 0:
+        return []
+    end = start + numel
+    runs: list[Run] = []
+    elem = block = 0
+    head = (-start) % block_size
+    if head:
+        length = min(head, numel)
+        runs.append(Run(0, 0, length, 1))
+        elem, block = length, 1
+    whole = (end - (start + elem)) // block_size
+    if whole:
+        runs.append(Run(elem, block, block_size, whole))
+        elem += whole * block_size
+        block += whole
+    if elem < numel:
+        runs.append(Run(elem, block, numel - elem, 1))
+    return runs
+
+
+def plain_segments(numel: int, shape: tuple[int, ...], name: str = "") -> list[Segment]:
+    return [Segment(offset=0, numel=numel, start=0, shape=tuple(shape), name=name)]

@@ -1,0 +1,170 @@
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from gefen_dist import Gefen
+from gefen_dist.model import GPT, GPTConfig
+
+torch.set_num_threads(1)
+
+TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=64)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, 256, (4, 16), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _train(model, opt, steps, first=0):
+    for s in range(first, first + steps):
+        opt.zero_grad()
+        model(*_batch(s))[1].backward()
+        opt.step()
+
+
+RESUME = textwrap.dedent(
+    """
+    import sys, torch
+    torch.set_num_threads(1)
+    from gefen_dist import Gefen
+    from gefen_dist.model import GPT, GPTConfig
+    sys.path.insert(0, {tests!r})
+    from test_checkpoint import TINY, _train
+    mode, path, bits = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = Gefen(model.parameters(), lr=3e-3, weight_decay=0.1, bits=bits)
+    if mode == "full":
+        _train(model, opt, 6)
+        torch.save(model.state_dict(), path + ".final")
+    elif mode == "first":
+        _train(model, opt, 3)
+        torch.save({{"model": model.state_dict(), "opt": opt.state_dict()}}, path)
+    else:
+        ckpt = torch.load(path, weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        _train(model, opt, 3, first=3)
+        torch.save(model.state_dict(), path + ".resumed")
+    """
+)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_resume_in_a_fresh_process_is_bit_exact(tmp_path, bits):
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME.format(tests=str(__import__("pathlib").Path(__file__).parent)))
+    ck = str(tmp_path / "ck.pt")
+    for mode in ("full", "first", "second"):
+        subprocess.run([sys.executable, str(script), mode, ck, str(bits)], check=True)
+    full = torch.load(ck + ".final", weights_only=True)
+    resumed = torch.load(ck + ".resumed", weights_only=True)
+    for k in full:
+        assert torch.equal(full[k], resumed[k]), k
+    saved = torch.load(ck, weights_only=True)["opt"]["state"]
+    qkv = saved[4]  # transformer.h.0.attn.c_attn.weight, shape (192, 64)
+    assert qkv["layout"][0, 3] > 1
+    assert qkv["codes"].dtype == torch.uint8
+    assert qkv["codes"].numel() == (192 * 64 if bits == 8 else 192 * 64 // 2)
+
+
+def _trained(bits=8, cfg=TINY, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = GPT(cfg).to(dtype)
+    opt = Gefen(list(model.named_parameters()), lr=3e-3, bits=bits)
+    _train(model, opt, 2)
+    return model, opt
+
+
+def test_state_dict_into_a_different_model_names_the_parameter():
+    _, opt = _trained()
+    sd = opt.state_dict()
+    other = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    opt2 = Gefen(list(other.named_parameters()), lr=3e-3)
+    with pytest.raises(ValueError, match=r"'transformer.wte.weight'.*different model"):
+        opt2.load_state_dict(sd)
+    assert not opt2.state  # nothing half-loaded
+
+
+def test_state_dict_with_other_bits_is_refused():
+    _, opt = _trained(bits=4)
+    model2 = GPT(TINY)
+    opt2 = Gefen(list(model2.named_parameters()), lr=3e-3, bits=8)
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        g["bits"] = 8
+    with pytest.raises(ValueError, match="16-level codebook.*bits=8"):
+        opt2.load_state_dict(sd)
+
+
+def test_corrupted_state_is_refused():
+    _, opt = _trained()
+    sd = opt.state_dict()
+    sd["state"][4] = dict(sd["state"][4], codes=sd["state"][4]["codes"][:-1])
+    opt2 = Gefen(list(GPT(TINY).named_parameters()))
+    with pytest.raises(ValueError, match=r"c_attn.weight.*'codes'"):
+        opt2.load_state_dict(sd)
+
+
+def test_bf16_model_state_keeps_its_dtypes_through_load():
+    model, opt = _trained(dtype=torch.bfloat16)
+    sd = opt.state_dict()
+    opt2 = Gefen(list(model.named_parameters()), lr=3e-3)
+    opt2.load_state_dict(sd)
+    for p in model.parameters():
+        a, b = opt.state[p], opt2.state[p]
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    _train(model, opt2, 1, first=2)  # and it steps
+
+
+def test_load_restores_lr_and_codebook_for_late_params():
+    model, opt = _trained()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = 1e-4
+    model2 = GPT(TINY)
+    opt2 = Gefen(list(model2.named_parameters()), lr=3e-3)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 1e-4
+    extra = torch.zeros(100, 96, requires_grad=True)
+    opt2.add_param_group({"params": [extra], "param_names": ["extra"]})
+    extra.grad = torch.randn(100, 96)
+    opt2.step()
+    assert torch.equal(opt2.state[extra]["codebook"], opt.state[model.lm_head.weight]["codebook"])
+
+
+MEMORY = textwrap.dedent(
+    """
+    import resource, sys, torch
+    torch.set_num_threads(1)
+    from gefen_dist import Gefen
+    rows, cols = 4096, 8192                     # 32M elements: 128 MiB of fp32
+    g = torch.Generator().manual_seed(0)
+    p = torch.zeros(rows, cols, requires_grad=True)
+    p.grad = torch.exp(torch.randn(rows, 1, generator=g)) * torch.randn(rows, cols, generator=g)
+    opt = Gefen([p], bits=4)
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = peak()
+    opt.step()
+    opt.step()
+    rep = opt.memory_report()
+    extra = peak() - base - rep["state_bytes"]
+    print(rep["tensors"][0]["block_sizes"][0], rep["state_bytes"], extra)
+    """
+)
+
+
+def test_a_step_allocates_no_parameter_sized_temporaries(tmp_path):
+    """Peak RSS over the first two steps (partition, codebook, updates) minus the state itself
+    stays far below the 128 MiB a single fp32 temporary of this parameter would take."""
+    script = tmp_path / "mem.py"
+    script.write_text(MEMORY)
+    out = subprocess.run([sys.executable, str(script)], check=True, capture_output=True, text=True)
+    block, state_bytes, extra = map(int, out.stdout.split())
+    assert block == 8192
+    assert state_bytes == 4096 * 8192 // 2 + 8 * 4096
+    assert extra < 48 * 2**20, f"step allocated {extra / 2**20:.1f} MiB beyond its state"

@@ -1,0 +1,334 @@
+import math
+
+import pytest
+import torch
+
+from gefen_dist import Gefen, Segment, reference
+from gefen_dist.codes import unpack4
+
+torch.set_num_threads(1)
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _row_grad(shape, seed):
+    g = _gen(seed)
+    return torch.exp(torch.randn(shape[0], 1, generator=g)) * torch.randn(*shape, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------
+# AdamW parity where B = 1
+
+
+@pytest.mark.parametrize("dtype_wd", [(0.0, (0.9, 0.999)), (0.1, (0.8, 0.95))])
+def test_no_sharing_matches_adamw(dtype_wd):
+    wd, betas = dtype_wd
+    shapes = [(7,), (1,), (33, 5), (64, 64), (5000,)]  # small, or i.i.d. below: all B = 1
+    ps = [torch.randn(s, generator=_gen(i)) for i, s in enumerate(shapes)]
+    a = [p.clone().requires_grad_() for p in ps]
+    b = [p.clone().requires_grad_() for p in ps]
+    ga = Gefen(a, lr=3e-3, betas=betas, weight_decay=wd)
+    ref = torch.optim.AdamW(b, lr=3e-3, betas=betas, weight_decay=wd, foreach=False)
+    for step in range(6):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            g = torch.randn(x.shape, generator=_gen(100 * step + i))
+            x.grad, y.grad = g.clone(), g.clone()
+        ga.step()
+        ref.step()
+    assert ga.memory_report()["fallback_numel"] == sum(p.numel() for p in ps)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The block update against a naive, unchunked statement of METHOD.md section 4
+
+
+def naive_gefen(p, grads, lr, betas, eps, wd, block, levels, start=0):
+    """Per-block AdamW with shared v and an m stored as nearest codebook level * absmax."""
+    n = p.numel()
+    ids = (torch.arange(n) + start) // block
+    ids = ids - ids[0]
+    nb = int(ids[-1]) + 1
+    m_q = torch.zeros(n)
+    v = torch.zeros(nb)
+    p = p.clone()
+    for t, g in enumerate(grads, 1):
+        m = betas[0] * m_q + (1 - betas[0]) * g
+        cnt = torch.zeros(nb).index_add_(0, ids, torch.ones(n))
+        v = betas[1] * v + (1 - betas[1]) * torch.zeros(nb).index_add_(0, ids, g * g) / cnt
+        p = p * (1 - lr * wd)
+        denom = (v / (1 - betas[1] ** t)).sqrt() + eps
+        p = p - lr / (1 - betas[0] ** t) * m / denom[ids]
+        amax = torch.zeros(nb).scatter_reduce(0, ids, m.abs(), "amax")
+        scaled = m / torch.where(amax > 0, amax, 1.0)[ids]
+        code = (scaled[:, None] - levels[None, :]).abs().argmin(dim=1)
+        m_q = levels[code] * amax[ids]
+    return p
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("start,numel,block", [(0, 96 * 64, 96), (37, 4001, 96), (5, 3 * 17, 17)])
+def test_block_update_matches_naive_spec(bits, start, numel, block, monkeypatch):
+    """A segment cut at both ends of its blocks, chunked finely, equals the naive update."""
+    monkeypatch.setattr(reference, "CHUNK", 200)
+    shape = (start + numel + 50,)
+    g0 = torch.randn(numel, generator=_gen(1))
+    p0 = torch.randn(numel, generator=_gen(2))
+    p = p0.clone().requires_grad_()
+    opt = Gefen([p], lr=1e-2, weight_decay=0.1, bits=bits)
+    opt.set_segments(p, [Segment(0, numel, start, shape)])
+    grads = [g0] + [torch.randn(numel, generator=_gen(10 + t)) for t in range(4)]
+    # the block size is the partition's to choose; force it for the spec comparison
+    opt.state[p] = _state_with_block(opt, p, g0, block, start, shape)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    levels = opt.state[p]["codebook"]
+    want = naive_gefen(p0, grads, 1e-2, (0.9, 0.999), 1e-8, 0.1, block, levels, start)
+    torch.testing.assert_close(p.detach(), want, atol=2e-6, rtol=1e-5)
+
+
+def _state_with_block(opt, p, g0, block, start, shape):
+    from gefen_dist import codebook as cb
+    from gefen_dist import state
+
+    levels = cb.learn_codebook(cb.histogram(torch.rand(1000) * 2 - 1), opt.param_groups[0]["bits"])
+    return state.allocate([Segment(0, p.numel(), start, shape)], [block], levels, p.device)
+
+
+def test_chunking_does_not_change_results(monkeypatch):
+    def run():
+        torch.manual_seed(0)
+        p = torch.randn(300, 96).requires_grad_()
+        opt = Gefen([p], lr=1e-2, bits=4)
+        for t in range(4):
+            p.grad = _row_grad((300, 96), t)
+            opt.step()
+        assert opt.state[p]["layout"][0, 3] == 96
+        return p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+
+    p1, s1 = run()
+    monkeypatch.setattr(reference, "CHUNK", 1000)  # 10 rows of 96 per chunk, odd row counts
+    p2, s2 = run()
+    assert torch.equal(p1, p2)
+    for k in s1:
+        assert torch.equal(s1[k], s2[k]), k
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.optim behaviour
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(96, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
+
+
+def _loss(model, seed=0):
+    g = _gen(seed)
+    x = torch.randn(64, 96, generator=g)
+    y = torch.randint(0, 10, (64,), generator=g)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def test_trains_and_reports_memory():
+    model = _mlp()
+    opt = Gefen(model.parameters(), lr=1e-2, bits=8)
+    first = None
+    for t in range(30):
+        opt.zero_grad()
+        loss = _loss(model, t % 3)
+        loss.backward()
+        opt.step()
+        first = first if first is not None else loss.item()
+    assert loss.item() < 0.7 * first
+    rep = opt.memory_report()
+    numel = sum(p.numel() for p in model.parameters())
+    assert rep["params"] == numel and rep["adamw_bytes"] == 8 * numel
+    assert rep["state_bytes"] == sum(r["state_bytes"] for r in rep["tensors"])
+    assert rep["bytes_per_param"] == pytest.approx(rep["state_bytes"] / numel)
+
+
+def test_param_groups_lr_scheduler_closure_and_clipping():
+    model = _mlp()
+    opt = Gefen(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.0}], lr=1e-2
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    frozen = [p.detach().clone() for p in model[2].parameters()]
+
+    def closure():
+        opt.zero_grad()
+        loss = _loss(model)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        return loss
+
+    losses = [opt.step(closure).item() for _ in range(3)]
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-3)
+    assert losses[-1] < losses[0]
+    for p, q in zip(model[2].parameters(), frozen, strict=True):
+        assert torch.equal(p, q)  # lr 0, no weight decay effect either
+    assert int(opt.state[model[0].weight]["step"]) == 3
+
+
+def test_frozen_params_and_params_without_grad_keep_state_untouched():
+    model = _mlp()
+    model[2].bias.requires_grad_(False)
+    opt = Gefen(model.parameters(), lr=1e-2)
+    _loss(model).backward()
+    opt.step()
+    assert model[2].bias not in opt.state or not opt.state[model[2].bias]
+    before = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+    w = model[0].weight.detach().clone()
+    model[0].weight.grad = None
+    model[2].weight.grad = torch.ones_like(model[2].weight)
+    opt.step()
+    assert torch.equal(model[0].weight, w)
+    for k, v in opt.state[model[0].weight].items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_late_params_are_partitioned_then_and_reuse_the_codebook():
+    a = torch.zeros(200, 96, requires_grad=True)
+    b = torch.zeros(100, 96, requires_grad=True)
+    opt = Gefen([a, b], lr=1e-2, bits=4)
+    a.grad = _row_grad((200, 96), 0)
+    opt.step()
+    assert not opt.state.get(b)
+    codebook = opt.state[a]["codebook"].clone()
+    for t in range(2):
+        a.grad = _row_grad((200, 96), t + 1)
+        b.grad = _row_grad((100, 96), t + 5)
+        opt.step()
+    assert torch.equal(opt.state[b]["codebook"], codebook)
+    assert int(opt.state[b]["step"]) == 2 and int(opt.state[a]["step"]) == 3
+    assert int(opt.state[b]["layout"][0, 3]) == 96
+
+
+def test_grad_scaler_skipped_step_does_not_count():
+    model = _mlp()
+    opt = Gefen(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    opt.zero_grad()
+    scaler.scale(_loss(model)).backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert not any(opt.state.get(p) for p in model.parameters())
+    opt.zero_grad()
+    scaler.scale(_loss(model)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters())
+    assert torch.isfinite(opt.state[model[0].weight]["codebook"]).all()
+
+
+def test_non_finite_first_gradient_names_the_parameter():
+    model = _mlp()
+    opt = Gefen(list(model.named_parameters()), lr=1e-2)
+    _loss(model).backward()
+    model[2].weight.grad[3, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"'2.weight'.*non-finite|non-finite.*'2.weight'"):
+        opt.step()
+    assert not any(opt.state.get(p) for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"bits": 3}, "bits"),
+        ({"bits": True}, "bits"),
+        ({"lr": -1.0}, "lr"),
+        ({"betas": (1.0, 0.9)}, r"betas\[0\]"),
+        ({"betas": (0.9, -0.1)}, r"betas\[1\]"),
+        ({"eps": -1e-8}, "eps"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"amsgrad": True}, "amsgrad"),
+    ],
+)
+def test_bad_hyperparameters_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Gefen([torch.zeros(3, requires_grad=True)], **kwargs)
+
+
+def test_bad_group_added_later_is_refused():
+    opt = Gefen([torch.zeros(3, requires_grad=True)])
+    with pytest.raises(ValueError, match="bits"):
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "bits": 2})
+
+
+def test_sparse_and_complex_are_refused():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = Gefen(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match="sparse"):
+        opt.step()
+    with pytest.raises(TypeError, match="complex"):
+        Gefen([torch.zeros(3, dtype=torch.complex64, requires_grad=True)])
+
+
+def test_zero_one_prime_and_empty_tensors_work():
+    ps = [torch.zeros(0), torch.ones(1), torch.randn(7919), torch.randn(64, 128), torch.randn(5)]
+    ps = [p.requires_grad_() for p in ps]
+    opt = Gefen(ps, lr=1e-2, bits=4)
+    for t in range(3):
+        for i, p in enumerate(ps):
+            p.grad = torch.zeros_like(p) if i == 3 else torch.randn(p.shape, generator=_gen(t))
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in ps)
+    assert int(opt.state[ps[3]]["layout"][0, 3]) == 1  # all-zero g0 carries no structure
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_keep_fp32_state_and_round_once(dtype):
+    """A step on a bf16/fp16 parameter is the fp32 step rounded once, not low-precision maths."""
+    torch.manual_seed(0)
+    lo = torch.randn(128, 96).to(dtype).requires_grad_()
+    hi = lo.detach().float().requires_grad_()
+    o_lo, o_hi = Gefen([lo], lr=1e-2, bits=4), Gefen([hi], lr=1e-2, bits=4)
+    g = _row_grad((128, 96), 0).to(dtype)
+    lo.grad, hi.grad = g, g.float()
+    o_lo.step()
+    o_hi.step()
+    assert lo.dtype == dtype
+    assert torch.equal(lo, hi.detach().to(dtype))
+    st = o_lo.state[lo]
+    assert st["v"].dtype == st["absmax"].dtype == torch.float32 and st["codes"].dtype == torch.uint8
+    assert torch.equal(st["v"], o_hi.state[hi]["v"])
+    assert torch.equal(st["codes"], o_hi.state[hi]["codes"])
+
+
+def test_maximize_ascends():
+    p = torch.zeros(3, requires_grad=True)
+    opt = Gefen([p], lr=0.1, maximize=True, weight_decay=0.0)
+    p.grad = torch.ones(3)
+    opt.step()
+    assert (p > 0).all()
+
+
+def test_set_segments_must_tile_the_buffer():
+    p = torch.zeros(100, requires_grad=True)
+    opt = Gefen([p])
+    with pytest.raises(ValueError, match="cover 60 of 100"):
+        opt.set_segments(p, [Segment(0, 60, 0, (60,))])
+    with pytest.raises(ValueError, match="gap or overlap"):
+        opt.set_segments(p, [Segment(0, 60, 0, (60,)), Segment(50, 50, 0, (50,))])
+
+
+def test_four_bit_state_is_packed():
+    p = torch.zeros(301, 96, requires_grad=True)
+    opt = Gefen([p], bits=4)
+    p.grad = _row_grad((301, 96), 0)
+    opt.step()
+    st = opt.state[p]
+    assert st["codes"].numel() == math.ceil(p.numel() / 2)
+    assert st["absmax"].numel() == st["v"].numel() == 301
+    assert opt.memory_report()["bytes_per_param"] == pytest.approx(
+        (math.ceil(p.numel() / 2) + 8 * 301) / p.numel()
+    )
+    assert unpack4(st["codes"], p.numel()).max() < 16

@@ -1,0 +1,107 @@
+import pytest
+import torch
+
+from gefen_dist import partition as pt
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rows(n_rows, row, seed=0):
+    """Gradients whose rows have distinct scales (log-normal), noise inside a row."""
+    g = _gen(seed)
+    return torch.exp(torch.randn(n_rows, 1, generator=g)) * torch.randn(n_rows, row, generator=g)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_rows_of_distinct_scale_give_one_row(flat):
+    x = _rows(256, 384)
+    shape = (x.numel(),) if flat else tuple(x.shape)
+    assert pt.block_size_for(x.reshape(-1), shape) == 384
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_heads_of_several_rows_give_a_head(flat):
+    g = _gen(1)
+    head_scale = torch.exp(torch.randn(32, 1, 1, generator=g)).expand(32, 4, 1).reshape(128, 1)
+    x = head_scale * torch.randn(128, 96, generator=g)
+    shape = (x.numel(),) if flat else tuple(x.shape)
+    assert pt.block_size_for(x.reshape(-1), shape) == 4 * 96
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_fused_qkv_non_power_of_two_gives_aligned_row(flat):
+    # (3 * 96, 96): 27648 = 2^10 * 27 elements, so 64, 128, 256, 512 are divisors that straddle rows
+    x = _rows(3 * 96, 96, seed=2)
+    shape = (x.numel(),) if flat else tuple(x.shape)
+    cands = pt.candidate_block_sizes(shape)
+    if flat:
+        assert {128, 256, 144} <= set(cands)
+    assert pt.block_size_for(x.reshape(-1), shape) == 96
+
+
+@pytest.mark.parametrize("n", [4096, 5000, 65536, 3 * 2**15, 300000])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_iid_noise_gives_no_sharing(n, seed):
+    x = torch.randn(n, generator=_gen(seed))
+    assert pt.block_size_for(x) == 1
+    assert pt.block_size_for(x.view(-1, 8) if n % 8 == 0 else x) == 1
+
+
+@pytest.mark.parametrize("n", [7919, 65521])
+def test_prime_sizes_give_no_sharing(n):
+    # structure is planted, but a prime size has no block size that tiles it
+    x = torch.exp(torch.arange(n, dtype=torch.float32) // 97 * 0.1) * torch.randn(n, generator=_gen())
+    assert pt.block_size_for(x) == 1
+
+
+def test_small_zero_and_constant_tensors_give_no_sharing():
+    assert pt.block_size_for(_rows(8, 256).reshape(-1)[:1024]) == 1  # under MIN_SHARED_NUMEL
+    assert pt.block_size_for(torch.zeros(64, 256)) == 1
+    assert pt.block_size_for(torch.full((64, 256), 3.0)) == 1
+    assert pt.block_size_for(torch.zeros(0)) == 1
+    assert pt.block_size_for(torch.ones(1)) == 1
+
+
+def test_candidates_are_row_aligned_divisors():
+    cands = pt.candidate_block_sizes((288, 96))
+    assert all(27648 % p == 0 for p in cands)
+    assert all(96 % p == 0 or p % 96 == 0 for p in cands)
+    assert 96 in cands and 4 * 96 in cands and 128 not in cands and 144 not in cands
+    assert min(cands) >= pt.MIN_BLOCK and max(cands) <= 27648 // 2
+
+
+@pytest.mark.parametrize(
+    "cuts",
+    [[0, 27648], [0, 5000, 27648], [0, 1, 95, 96, 1000, 13824, 27647, 27648], [0, 17, 40, 27648]],
+)
+def test_pieces_merge_to_the_whole_tensor_statistics(cuts):
+    """Statistics gathered per segment (as ranks or FSDP shards hold them) merge exactly."""
+    x = _rows(288, 96, seed=3).reshape(-1)
+    cands = pt.candidate_block_sizes((288, 96))
+    whole = pt.segment_stats(x, 0, cands)
+    parts = [pt.segment_stats(x[a:b], a, cands) for a, b in zip(cuts, cuts[1:])]
+    merged = pt.merge_stats(parts[::-1])
+    r_whole = pt.heterogeneity(whole, x.numel())
+    r_merged = pt.heterogeneity(merged, x.numel())
+    assert r_merged == pytest.approx(r_whole, rel=1e-9)
+    assert pt.choose_block_size(merged, x.numel()) == pt.choose_block_size(whole, x.numel()) == 96
+
+
+def test_statistics_that_miss_elements_are_refused():
+    x = _rows(288, 96).reshape(-1)
+    cands = pt.candidate_block_sizes((288, 96))
+    part = pt.segment_stats(x[:1000], 0, cands)
+    with pytest.raises(ValueError, match="cover 1000 of 27648"):
+        pt.heterogeneity(part, x.numel())
+
+
+def test_chunked_statistics_equal_one_pass(monkeypatch):
+    x = _rows(288, 96, seed=4).reshape(-1)
+    cands = pt.candidate_block_sizes((288, 96))
+    one = pt.segment_stats(x[5:], 5, cands)
+    monkeypatch.setattr(pt, "_CHUNK", 1000)
+    chunked = pt.segment_stats(x[5:], 5, cands)
+    assert chunked.block_sq == pytest.approx(one.block_sq, rel=1e-12)
+    assert chunked.partial == [pytest.approx(d, rel=1e-12) for d in one.partial]
