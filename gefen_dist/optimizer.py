@@ -1,4 +1,4 @@
-"""``gefen_dist.Gefen``: a drop-in for ``torch.optim.AdamW`` with about 1 byte of state per parameter.
+"""``gefen_dist.Gefen``: a drop-in for ``torch.optim.AdamW`` with ~1 byte of state per parameter.
 
 At the first step at which a parameter has a gradient, its block size is chosen from g0^2
 (``partition``); at the first step of all, the codebook of m is learned once from a histogram of
@@ -185,7 +185,8 @@ class Gefen(Optimizer):
             for p, _, segs, keys in plan:
                 flat_g = _flat(p.grad, self._name(p))
                 for seg, key in zip(segs, keys, strict=True):
-                    _histogram(flat_g[seg.offset : seg.offset + seg.numel], seg, block_of[key], counts)
+                    piece = flat_g[seg.offset : seg.offset + seg.numel]
+                    _histogram(piece, seg, block_of[key], counts)
             counts = self._reduce_histogram(counts)
             for bits in new_bits:
                 self._codebooks[bits] = cb.learn_codebook(counts, bits)

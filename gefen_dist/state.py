@@ -66,7 +66,9 @@ def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentStat
     for offset, numel, start, bs in state["layout"].tolist():
         if bs == 1:
             st = SegmentState(
-                start, numel, 1,
+                start,
+                numel,
+                1,
                 exp_avg=state["exp_avg"][d : d + numel],
                 exp_avg_sq=state["exp_avg_sq"][d : d + numel],
             )
@@ -74,7 +76,9 @@ def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentStat
         else:
             nc, nb = code_bytes(numel, bits), num_blocks(start, numel, bs)
             st = SegmentState(
-                start, numel, bs,
+                start,
+                numel,
+                bs,
                 codes=state["codes"][c : c + nc],
                 absmax=state["absmax"][b : b + nb],
                 v=state["v"][b : b + nb],
@@ -90,9 +94,7 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(state[k].numel() * state[k].element_size() for k in keys if k in state)
 
 
-def check_loaded(
-    state: dict, segments: list[Segment], bits: int, name: str
-) -> None:
+def check_loaded(state: dict, segments: list[Segment], bits: int, name: str) -> None:
     """Raise ValueError naming the parameter when a saved state does not fit it."""
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:

@@ -45,4 +45,4 @@ def test_quantize_is_nearest_level_ties_to_lower():
     dist = (x[:, None] - levels[None, :]).abs()
     best = dist.min(dim=1).values
     assert torch.equal(dist[torch.arange(x.numel()), q], best)
-    assert torch.equal(q[-mids.numel():], torch.arange(mids.numel()))
+    assert torch.equal(q[-mids.numel() :], torch.arange(mids.numel()))

@@ -52,7 +52,8 @@ def test_iid_noise_gives_no_sharing(n, seed):
 @pytest.mark.parametrize("n", [7919, 65521])
 def test_prime_sizes_give_no_sharing(n):
     # structure is planted, but a prime size has no block size that tiles it
-    x = torch.exp(torch.arange(n, dtype=torch.float32) // 97 * 0.1) * torch.randn(n, generator=_gen())
+    scale = torch.exp(torch.arange(n, dtype=torch.float32) // 97 * 0.1)
+    x = scale * torch.randn(n, generator=_gen())
     assert pt.block_size_for(x) == 1
 
 
@@ -81,7 +82,7 @@ def test_pieces_merge_to_the_whole_tensor_statistics(cuts):
     x = _rows(288, 96, seed=3).reshape(-1)
     cands = pt.candidate_block_sizes((288, 96))
     whole = pt.segment_stats(x, 0, cands)
-    parts = [pt.segment_stats(x[a:b], a, cands) for a, b in zip(cuts, cuts[1:])]
+    parts = [pt.segment_stats(x[a:b], a, cands) for a, b in zip(cuts, cuts[1:], strict=False)]
     merged = pt.merge_stats(parts[::-1])
     r_whole = pt.heterogeneity(whole, x.numel())
     r_merged = pt.heterogeneity(merged, x.numel())
