@@ -18,13 +18,14 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 from . import codebook as cb
-from . import partition, state
+from . import partition, sharding, state
 from .codes import midpoints
 from .reference import Hyper, block_update, dense_update
-from .segments import Segment, block_runs, plain_segments
+from .segments import Segment, block_runs
 
 DEFAULT_BITS = 8
 
@@ -61,23 +62,39 @@ class Gefen(Optimizer):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bits=bits, maximize=maximize
         )
-        super().__init__(params, defaults)
         self._segments: dict[torch.Tensor, list[Segment]] = {}
         self._codebooks: dict[int, torch.Tensor] = {}
+        self._group: dist.ProcessGroup | None = None
+        self._initialized = False
+        self._pending_install: list[tuple[torch.Tensor, dict]] = []
+        super().__init__(params, defaults)
+        self.register_load_state_dict_pre_hook(Gefen._stash_state)
+        self.register_load_state_dict_post_hook(Gefen._install_state)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        self._initialized = False
         group = self.param_groups[-1]
         _check_hyper(group)
         for p in group["params"]:
             if p.is_complex():
                 raise TypeError(f"Gefen does not support complex parameters ({self._name(p)})")
+            if sharding.is_dtensor(p):
+                sharding.check_layout(p, self._name(p))
+                self._use_group(sharding.group_of(p), p)
 
     # -- integration hooks -------------------------------------------------------------------
-    def set_segments(self, param: torch.Tensor, segments: list[Segment]) -> None:
+    def set_segments(
+        self,
+        param: torch.Tensor,
+        segments: list[Segment],
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         """Declare which original tensors' pieces lie in ``param`` (an FSDP/ZeRO flat buffer).
 
-        Must be called before the parameter's first step; segments must tile the buffer."""
+        Must be called before the parameter's first step; segments must tile the buffer.
+        Segments with a ``name`` are pieces of a tensor spread over ``group``: their partition
+        statistics are merged over it by name, so names must be the same on every rank."""
         if param in self.state and self.state[param]:
             raise RuntimeError(f"{self._name(param)} already has state; set segments before step()")
         covered = sorted((s.offset, s.offset + s.numel) for s in segments)
@@ -93,14 +110,74 @@ class Gefen(Optimizer):
                 f"segments of {self._name(param)} cover {pos} of {param.numel()} elements"
             )
         self._segments[param] = sorted(segments, key=lambda s: s.offset)
+        self._use_group(group, param)
+
+    def _use_group(self, group: dist.ProcessGroup | None, p: torch.Tensor) -> None:
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        if self._group is not None and group is not self._group:
+            raise ValueError(
+                f"{self._name(p)} is sharded over another process group than earlier "
+                "parameters; one Gefen optimizer spans one process group"
+            )
+        self._group = group
 
     def _reduce_stats(
         self, pieces: dict[Hashable, list[partition.TensorStats]]
     ) -> dict[Hashable, partition.TensorStats]:
+        """Named pieces come from tensors spread over ranks: gather them all, merge by name."""
+        if self._group is not None:
+            named = {k: v for k, v in pieces.items() if isinstance(k, str)}
+            every: list[dict] = [{} for _ in range(dist.get_world_size(self._group))]
+            dist.all_gather_object(every, named, group=self._group)
+            pieces = {k: v for k, v in pieces.items() if not isinstance(k, str)}
+            for other in every:
+                for k, v in other.items():
+                    if k in named:
+                        pieces.setdefault(k, []).extend(v)
         return {k: partition.merge_stats(v) for k, v in pieces.items()}
 
     def _reduce_histogram(self, counts: torch.Tensor) -> torch.Tensor:
+        """Every rank learns the codebook from the sum of all ranks' histograms."""
+        if self._group is not None:
+            dist.all_reduce(counts, group=self._group)
         return counts
+
+    def _cut_block_absmax(self, plan, block_of) -> dict[Hashable, dict[int, float]]:
+        """Whole-block absmax of g0 for blocks cut by a shard boundary, so that every rank
+        normalises its piece of such a block as one process would and the summed histogram
+        (hence the codebook) is the single-process one."""
+        if self._group is None:
+            return {}
+        local: dict[Hashable, dict[int, float]] = {}
+        for p, _, segs, keys in plan:
+            flat_g = _flat(sharding.local(p.grad), p, self)
+            for seg, key in zip(segs, keys, strict=True):
+                bs = block_of[key]
+                if not isinstance(key, str) or bs == 1:
+                    continue
+                for run in block_runs(seg.start, seg.numel, bs):
+                    if run.length < bs:
+                        a = seg.offset + run.elem
+                        amax = float(flat_g[a : a + run.length].abs().max())
+                        local.setdefault(key, {})[(seg.start + run.elem) // bs] = amax
+        every: list[dict] = [{} for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather_object(every, local, group=self._group)
+        out: dict[Hashable, dict[int, float]] = {}
+        for other in every:
+            for key, blocks in other.items():
+                if key in local:
+                    for b, amax in blocks.items():
+                        out.setdefault(key, {})[b] = max(out.get(key, {}).get(b, 0.0), amax)
+        return out
+
+    def _any_rank_pending(self, pending: bool) -> bool:
+        """Partitioning is collective when parameters are sharded: all ranks enter it together."""
+        if self._group is None:
+            return pending
+        flag = torch.tensor([int(pending)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
 
     # -- step --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -118,8 +195,11 @@ class Gefen(Optimizer):
                     raise TypeError(f"Gefen does not support sparse gradients ({self._name(p)})")
                 if not self.state.get(p):
                     pending.append((p, group))
-        if pending:
+        if not self._initialized and self._any_rank_pending(bool(pending)):
             self._initialize(pending)
+        self._initialized = all(
+            self.state.get(p) for g in self.param_groups for p in g["params"] if p.requires_grad
+        )
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -137,8 +217,8 @@ class Gefen(Optimizer):
                 )
                 levels = st["codebook"]
                 mids, bits = midpoints(levels), state.bits_of(levels)
-                flat_p = _flat(p, self._name(p))
-                flat_g = _flat(p.grad, self._name(p))
+                flat_p = _flat(sharding.local(p), p, self)
+                flat_g = _flat(sharding.local(p.grad), p, self)
                 if group["maximize"]:
                     flat_g = -flat_g
                 for offset, seg in state.segment_views(st):
@@ -156,8 +236,8 @@ class Gefen(Optimizer):
         numel_of: dict[Hashable, int] = {}
         plan = []
         for p, group in pending:
-            segs = self._segments.get(p) or plain_segments(p.numel(), tuple(p.shape))
-            flat_g = _flat(p.grad, self._name(p))
+            segs = self._segments_for(p)
+            flat_g = _flat(sharding.local(p.grad), p, self)
             keys = []
             for i, seg in enumerate(segs):
                 key = seg.name or (id(p), i)
@@ -182,11 +262,12 @@ class Gefen(Optimizer):
         new_bits = sorted({g["bits"] for _, g, _, _ in plan} - set(self._codebooks))
         if new_bits:
             counts = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64)
+            cut = self._cut_block_absmax(plan, block_of)
             for p, _, segs, keys in plan:
-                flat_g = _flat(p.grad, self._name(p))
+                flat_g = _flat(sharding.local(p.grad), p, self)
                 for seg, key in zip(segs, keys, strict=True):
                     piece = flat_g[seg.offset : seg.offset + seg.numel]
-                    _histogram(piece, seg, block_of[key], counts)
+                    _histogram(piece, seg, block_of[key], counts, cut.get(key, {}))
             counts = self._reduce_histogram(counts)
             for bits in new_bits:
                 self._codebooks[bits] = cb.learn_codebook(counts, bits)
@@ -196,13 +277,13 @@ class Gefen(Optimizer):
             self.state[p] = state.allocate(segs, blocks, self._codebooks[group["bits"]], p.device)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a Gefen state dict; checks every parameter's state fits before touching anything.
-
-        Torch's loader would cast every floating state tensor to the parameter's dtype (and the
-        uint8 codes with them), so the per-parameter state is installed here, as saved."""
-        groups = self.param_groups
-        saved_groups = state_dict["param_groups"]
+    @staticmethod
+    def _stash_state(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Load pre-hook: check every parameter's saved state fits before anything is touched,
+        and keep it from torch's loader, which would cast every floating state tensor to the
+        parameter's dtype (and the uint8 codes with them). Hooks that translate a framework's
+        format into Gefen's register with ``prepend=True`` so they run before this one."""
+        groups, saved_groups = opt.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups):
             raise ValueError(
                 f"state dict has {len(saved_groups)} param groups, optimizer has {len(groups)}"
@@ -217,21 +298,23 @@ class Gefen(Optimizer):
                 )
             bits = saved.get("bits", group["bits"])
             for pid, p in zip(saved["params"], group["params"], strict=True):
-                if pid not in saved_state:
-                    continue
-                segs = self._segments.get(p) or plain_segments(p.numel(), tuple(p.shape))
-                st = saved_state[pid]
-                state.check_loaded(st, segs, bits, self._name(p))
-                install.append((p, st))
-        stripped = dict(state_dict)
-        stripped["state"] = {}
-        super().load_state_dict(stripped)
-        self.state.clear()
-        self._codebooks.clear()
-        for p, st in install:
+                if pid in saved_state:
+                    state.check_loaded(saved_state[pid], opt._segments_for(p), bits, opt._name(p))
+                    install.append((p, saved_state[pid]))
+        opt._pending_install = install
+        return {**state_dict, "state": {}}
+
+    @staticmethod
+    def _install_state(opt: Gefen) -> None:
+        """Load post-hook: install the checked state as saved (dtypes kept, moved to device)."""
+        opt.state.clear()
+        opt._codebooks.clear()
+        opt._initialized = False
+        for p, st in opt._pending_install:
             new = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in st.items()}
-            self.state[p] = {k: new[k] for k in state.STATE_KEYS}
-            self._codebooks.setdefault(state.bits_of(new["codebook"]), new["codebook"])
+            opt.state[p] = {k: new[k] for k in state.STATE_KEYS}
+            opt._codebooks.setdefault(state.bits_of(new["codebook"]), new["codebook"])
+        opt._pending_install = []
 
     # -- reporting ---------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
@@ -248,11 +331,11 @@ class Gefen(Optimizer):
                     dict(
                         name=self._name(p),
                         shape=tuple(p.shape),
-                        numel=p.numel(),
+                        numel=sharding.local(p).numel(),
                         block_sizes=sorted({bs for *_, bs in layout}),
                         fallback_numel=fallback,
                         state_bytes=state.state_bytes(st),
-                        adamw_bytes=8 * p.numel(),
+                        adamw_bytes=8 * sharding.local(p).numel(),
                     )
                 )
         total = sum(r["state_bytes"] for r in rows)
@@ -267,6 +350,19 @@ class Gefen(Optimizer):
             bits=sorted(self._codebooks),
             backend="reference",
         )
+
+    def _segments_for(self, p: torch.Tensor) -> list[Segment]:
+        if p in self._segments:
+            return self._segments[p]
+        gi, i = self._index(p)
+        return sharding.segments_of(p, key=f"param {gi}.{i}", name=self._name(p))
+
+    def _index(self, p: torch.Tensor) -> tuple[int, int]:
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return gi, i
+        raise KeyError("parameter not in this optimizer")
 
     def _name(self, p: torch.Tensor) -> str:
         for gi, group in enumerate(self.param_groups):
@@ -313,14 +409,17 @@ def _check_hyper(g: dict[str, Any]) -> None:
         raise ValueError(f"Invalid bits: {g['bits']!r} (must be 4 or 8)")
 
 
-def _flat(t: torch.Tensor, name: str) -> torch.Tensor:
+def _flat(t: torch.Tensor, p: torch.Tensor, opt: Gefen) -> torch.Tensor:
     if not t.is_contiguous():
-        raise ValueError(f"Gefen needs contiguous parameters and gradients; {name} is not")
+        raise ValueError(f"Gefen needs contiguous parameters and gradients; {opt._name(p)} is not")
     return t.view(-1)
 
 
-def _histogram(g: torch.Tensor, seg: Segment, block_size: int, counts: torch.Tensor) -> None:
-    """Add block-normalised values g / absmax(block) of one segment to ``counts``."""
+def _histogram(
+    g: torch.Tensor, seg: Segment, block_size: int, counts: torch.Tensor, cut: dict[int, float]
+) -> None:
+    """Add block-normalised values g / absmax(block) of one segment to ``counts``; ``cut`` gives
+    the whole-block absmax of blocks that a shard boundary cuts."""
     if block_size == 1:
         return
     for run in block_runs(seg.start, seg.numel, block_size):
@@ -330,5 +429,8 @@ def _histogram(g: torch.Tensor, seg: Segment, block_size: int, counts: torch.Ten
             x = g[run.elem + r0 * run.length : run.elem + r1 * run.length]
             x = x.float().view(r1 - r0, run.length)
             amax = x.abs().amax(dim=1, keepdim=True)
-            x = x[amax.view(-1) > 0] / amax[amax.view(-1) > 0]
-            cb.histogram(x, cb.DEFAULT_BINS, out=counts)
+            whole = cut.get((seg.start + run.elem) // block_size)
+            if run.length < block_size and whole is not None:
+                amax.fill_(whole)
+            keep = amax.view(-1) > 0
+            cb.histogram(x[keep] / amax[keep], cb.DEFAULT_BINS, out=counts)
