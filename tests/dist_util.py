@@ -1,0 +1,63 @@
+"""Run a script on 2 CPU ranks (gloo) under torchrun or the deepspeed launcher, from a test."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+DIST = Path(__file__).parent / "dist"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: dict | None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    env.update(extra or {})
+    return env
+
+
+def _run(cmd: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
+        )
+    return p
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, env=None, timeout: int = 300):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        str(DIST / script),
+        *args,
+    ]
+    return _run(cmd, _env(env), timeout)
+
+
+def deepspeed_run(script: str, *args: str, nproc: int = 2, env=None, timeout: int = 600):
+    cmd = [
+        "deepspeed",
+        f"--num_gpus={nproc}",
+        f"--master_port={free_port()}",
+        str(DIST / script),
+        *args,
+    ]
+    return _run(cmd, _env(env), timeout)
+
+
+def read_results(out_dir: Path) -> list[dict]:
+    """Each rank writes rank{r}.json; returns them in rank order."""
+    files = sorted(out_dir.glob("rank*.json"))
+    return [json.loads(f.read_text()) for f in files]
