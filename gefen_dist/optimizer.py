@@ -27,6 +27,11 @@ from .codes import midpoints
 from .reference import Hyper, block_update, dense_update
 from .segments import Segment, block_runs
 
+try:
+    from . import cpu_kernel
+except ImportError:  # numba missing or broken: the reference update serves everywhere
+    cpu_kernel = None
+
 DEFAULT_BITS = 8
 
 
@@ -66,6 +71,7 @@ class Gefen(Optimizer):
         self._codebooks: dict[int, torch.Tensor] = {}
         self._group: dist.ProcessGroup | None = None
         self._initialized = False
+        self._backend = "auto"
         self._pending_install: list[tuple[torch.Tensor, dict]] = []
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(Gefen._stash_state)
@@ -226,9 +232,31 @@ class Gefen(Optimizer):
                     gs = flat_g[offset : offset + seg.numel]
                     if seg.block_size == 1:
                         dense_update(ps, gs, seg, h)
+                    elif self._native(ps, gs):
+                        cpu_kernel.block_update(ps, gs, seg, h, levels, mids, bits)
                     else:
                         block_update(ps, gs, seg, h, levels, mids, bits)
         return loss
+
+    @property
+    def backend(self) -> str:
+        """'auto' (numba on fp32 CPU tensors, the reference elsewhere), 'numba' or 'reference'.
+
+        Settable, e.g. ``opt.backend = "reference"`` to run the readable spec."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        if name not in ("auto", "numba", "reference"):
+            raise ValueError(f"Invalid backend: {name!r} (auto, numba or reference)")
+        if name == "numba" and cpu_kernel is None:
+            raise ValueError("backend='numba' needs numba, which failed to import")
+        self._backend = name
+
+    def _native(self, p: torch.Tensor, g: torch.Tensor) -> bool:
+        if self._backend == "reference" or cpu_kernel is None:
+            return False
+        return cpu_kernel.supports(p, g)
 
     def _initialize(self, pending: list[tuple[torch.Tensor, dict]]) -> None:
         """Partition newly seen parameters; learn the codebooks if this is the first time."""
@@ -348,8 +376,17 @@ class Gefen(Optimizer):
             adamw_bytes=8 * params,
             fallback_numel=sum(r["fallback_numel"] for r in rows),
             bits=sorted(self._codebooks),
-            backend="reference",
+            backend=self._backend_in_use(),
         )
+
+    def _backend_in_use(self) -> str:
+        used = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.state.get(p):
+                    native = self._native(sharding.local(p), sharding.local(p))
+                    used.add("numba" if native else "reference")
+        return "+".join(sorted(used)) or self._backend
 
     def _segments_for(self, p: torch.Tensor) -> list[Segment]:
         if p in self._segments:

@@ -1,0 +1,134 @@
+"""The CPU backend: the reference block update fused into one numba pass per block.
+
+Why: the reference spends most of a step in ``torch.bucketize`` and in tensor temporaries; here
+each block is read once for v and the new absmax and once more to write codes, with no
+temporaries, over both cores (``prange`` over blocks). The arithmetic is the reference's, in the
+same fp32 order of operations, except that the block mean of g^2 is accumulated in fp64 (torch
+sums in fp32 in its own order), so v may differ from the reference in its last bits and a value
+sitting on a codebook midpoint may round the other way; the tests bound both.
+
+At 4 bits two neighbouring blocks share a byte when a block boundary falls on an odd element;
+such segments run block after block instead of in parallel. The kernel uses as many threads as
+torch does (``torch.set_num_threads``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+
+from .reference import Hyper, SegmentState
+
+
+@numba.njit(cache=True, inline="always")
+def _get(codes, i, four):
+    if not four:
+        return np.int64(codes[i])
+    b = np.int64(codes[i >> 1])
+    return (b >> 4) if (i & 1) else (b & 15)
+
+
+@numba.njit(cache=True, inline="always")
+def _put(codes, i, c, four):
+    if not four:
+        codes[i] = c
+    elif i & 1:
+        codes[i >> 1] = np.uint8((np.int64(codes[i >> 1]) & 15) | (c << 4))
+    else:
+        codes[i >> 1] = np.uint8((np.int64(codes[i >> 1]) & 240) | c)
+
+
+@numba.njit(cache=True)
+def _one_block(j, p, g, codes, absmax, v, levels, mids, start, block, four, h):
+    b1, w, b2, a2, decay, neg_step, bc2, eps = h
+    n = p.shape[0]
+    b0 = start // block
+    lo = max((b0 + j) * block, start) - start
+    hi = min((b0 + j + 1) * block, start + n) - start
+    s = 0.0
+    for i in range(lo, hi):
+        s += np.float64(g[i]) * np.float64(g[i])
+    mean = np.float32(s / (hi - lo))
+    vj = v[j] * b2 + a2 * mean
+    v[j] = vj
+    denom = np.float32(math.sqrt(vj)) / bc2 + eps
+    old = absmax[j]
+    amax = np.float32(0.0)
+    for i in range(lo, hi):
+        m = levels[_get(codes, i, four)] * old
+        m = m + w * (g[i] - m)
+        p[i] = p[i] * decay + neg_step * m / denom
+        amax = max(amax, abs(m))
+    absmax[j] = amax
+    scale = amax if amax > 0 else np.float32(1.0)
+    for i in range(lo, hi):
+        m = levels[_get(codes, i, four)] * old
+        m = m + w * (g[i] - m)
+        _put(codes, i, np.int64(np.searchsorted(mids, m / scale)), four)
+
+
+@numba.njit(cache=True, parallel=True)
+def _blocks_parallel(p, g, codes, absmax, v, levels, mids, start, block, four, h):
+    for j in numba.prange(absmax.shape[0]):
+        _one_block(j, p, g, codes, absmax, v, levels, mids, start, block, four, h)
+
+
+@numba.njit(cache=True)
+def _blocks_serial(p, g, codes, absmax, v, levels, mids, start, block, four, h):
+    for j in range(absmax.shape[0]):
+        _one_block(j, p, g, codes, absmax, v, levels, mids, start, block, four, h)
+
+
+def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
+    return p.device.type == "cpu" and p.dtype == g.dtype == torch.float32
+
+
+def block_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    st: SegmentState,
+    h: Hyper,
+    levels: torch.Tensor,
+    mids: torch.Tensor,
+    bits: int,
+) -> None:
+    """Same contract as ``reference.block_update`` for fp32 CPU tensors."""
+    f32 = np.float32
+    hyper = (
+        f32(h.beta1),
+        f32(1.0 - h.beta1),
+        f32(h.beta2),
+        f32(1.0 - h.beta2),
+        f32(1.0 - h.lr * h.weight_decay),
+        f32(-h.step_size),
+        f32(h.bc2_sqrt),
+        f32(h.eps),
+    )
+    four = bits == 4
+    args = (
+        p.detach().numpy(),
+        g.detach().numpy(),
+        st.codes.numpy(),
+        st.absmax.numpy(),
+        st.v.numpy(),
+        levels.numpy(),
+        mids.numpy(),
+        st.start,
+        st.block_size,
+        four,
+        hyper,
+    )
+    if four and (st.block_size % 2 or st.start % 2):
+        _blocks_serial(*args)
+        return
+    threads = torch.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        _blocks_parallel(*args)
+    finally:
+        # numba's OpenMP layer resets the OpenMP thread count that torch's kernels share,
+        # which would change torch's reduction order (and results) from this step on
+        torch.set_num_threads(threads)
