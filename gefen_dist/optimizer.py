@@ -13,7 +13,9 @@ and learns the same codebook.
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -71,11 +73,21 @@ class Gefen(Optimizer):
         self._codebooks: dict[int, torch.Tensor] = {}
         self._group: dist.ProcessGroup | None = None
         self._initialized = False
+        self._display: dict[torch.Tensor, str] = {}
         self._backend = "auto"
         self._pending_install: list[tuple[torch.Tensor, dict]] = []
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(Gefen._stash_state)
         self.register_load_state_dict_post_hook(Gefen._install_state)
+        if self._group is not None and any(
+            sharding.is_dtensor(p) for g in self.param_groups for p in g["params"]
+        ):
+            # FSDP2: per-rank state must be keyed by rank or DCP keeps one rank's copy
+            importlib.import_module("gefen_dist.fsdp").configure(None, self)
+        if "deepspeed" in sys.modules:
+            # deepspeed.initialize must map ZeRO partitions to segments; without the
+            # integration each flat partition would be blocked as one 1-D tensor
+            importlib.import_module("gefen_dist.deepspeed")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -95,12 +107,16 @@ class Gefen(Optimizer):
         param: torch.Tensor,
         segments: list[Segment],
         group: dist.ProcessGroup | None = None,
+        display_name: str | None = None,
     ) -> None:
         """Declare which original tensors' pieces lie in ``param`` (an FSDP/ZeRO flat buffer).
 
         Must be called before the parameter's first step; segments must tile the buffer.
         Segments with a ``name`` are pieces of a tensor spread over ``group``: their partition
-        statistics are merged over it by name, so names must be the same on every rank."""
+        statistics are merged over it by name, so names must be the same on every rank.
+        ``display_name`` is what errors and ``memory_report`` call the buffer."""
+        if display_name:
+            self._display[param] = display_name
         if param in self.state and self.state[param]:
             raise RuntimeError(f"{self._name(param)} already has state; set segments before step()")
         covered = sorted((s.offset, s.offset + s.numel) for s in segments)
@@ -203,9 +219,9 @@ class Gefen(Optimizer):
                     pending.append((p, group))
         if not self._initialized and self._any_rank_pending(bool(pending)):
             self._initialize(pending)
-        self._initialized = all(
-            self.state.get(p) for g in self.param_groups for p in g["params"] if p.requires_grad
-        )
+        # wrappers (ZeRO) may show one param group per call: registered buffers count too
+        known = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._initialized = all(self.state.get(p) for p in known + list(self._segments))
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -348,11 +364,8 @@ class Gefen(Optimizer):
     def memory_report(self) -> dict[str, Any]:
         """State bytes per parameter tensor and in total, next to what AdamW would keep."""
         rows = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state.get(p)
-                if not st:
-                    continue
+        for p, st in self.state.items():
+            if st:
                 layout = st["layout"].tolist()
                 fallback = sum(n for _, n, _, bs in layout if bs == 1)
                 rows.append(
@@ -381,16 +394,21 @@ class Gefen(Optimizer):
 
     def _backend_in_use(self) -> str:
         used = set()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if self.state.get(p):
-                    native = self._native(sharding.local(p), sharding.local(p))
-                    used.add("numba" if native else "reference")
+        for p, st in self.state.items():
+            if st:
+                native = self._native(sharding.local(p), sharding.local(p))
+                used.add("numba" if native else "reference")
         return "+".join(sorted(used)) or self._backend
 
     def _segments_for(self, p: torch.Tensor) -> list[Segment]:
         if p in self._segments:
             return self._segments[p]
+        if getattr(p, "_is_flat_param", False):
+            raise ValueError(
+                f"{self._name(p)} is an FSDP flat parameter (use_orig_params=False) whose "
+                "layout Gefen was not told: call gefen_dist.fsdp.configure(model, optimizer) "
+                "after building the optimizer"
+            )
         gi, i = self._index(p)
         return sharding.segments_of(p, key=f"param {gi}.{i}", name=self._name(p))
 
@@ -402,6 +420,8 @@ class Gefen(Optimizer):
         raise KeyError("parameter not in this optimizer")
 
     def _name(self, p: torch.Tensor) -> str:
+        if p in self._display:
+            return self._display[p]
         for gi, group in enumerate(self.param_groups):
             for i, q in enumerate(group["params"]):
                 if q is p:

@@ -1,0 +1,466 @@
+"""Gefen under DeepSpeed ZeRO: stages 1, 2 and 3, and DeepSpeed's bf16 stage-1 optimizer.
+
+Why this module exists: ZeRO hands the inner optimizer one flat fp32 partition per param group
+(stages 1 and 2, ``BF16_Optimizer``) or per sub-group (stage 3), each made of pieces of many
+tensors and of alignment padding. Gefen chooses a block size per original tensor and learns one
+codebook from the first gradient of the whole model, so it must be told where each tensor's pieces
+lie in every partition and over which process group the other pieces are (``Gefen.set_segments``).
+And it must see the first gradient of every partition before it updates any: ZeRO steps the
+inner optimizer one group (stage 3: one sub-group) at a time, and a codebook learned from the
+first group alone would differ from the single-process one (or, for a group of biases and norms
+that all keep B = 1, be learned from nothing). So on the first step the earlier groups' calls are
+held back (their gradients kept, a transient of one fp32 gradient partition) and the last call
+initialises and updates all groups at once, then republishes the earlier groups' weights to the
+low-precision copies ZeRO has already refreshed from them.
+
+Importing this module registers Gefen as a ZeRO-supported optimizer (no
+``zero_allow_untested_optimizer``) and makes ``deepspeed.initialize`` configure every engine built
+on a Gefen optimizer as soon as its ZeRO wrapper exists, before any step or checkpoint load.
+``configure(engine)`` does the same by hand (for a wrapper built some other way) and is idempotent.
+
+Checkpoints: ZeRO's rigid checkpoints (the default) carry each rank's ``Gefen.state_dict()``
+unchanged and load it through Gefen's own hooks, so a resume is exact. A state fits only the same
+partitions: DeepSpeed itself refuses a changed data-parallel world size, and the state dict records
+wrapper, rank and world size, so a ZeRO-3 state offered to ZeRO-1/2 (or the reverse) is named as
+such; between ZeRO-1, ZeRO-2 and BF16_Optimizer Gefen's own check compares the segments.
+``elastic_checkpoint`` is refused: it cuts every state tensor by the partition padding and merges
+state element by element, which would corrupt block state; so is universal-checkpoint loading,
+which restores only element-wise state keys and would silently drop Gefen's.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero import utils as zero_utils
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from .optimizer import Gefen
+from .segments import Segment
+
+__all__ = ["configure", "memory_report", "block_sizes", "META_KEY"]
+
+META_KEY = "gefen_deepspeed"
+"""Key of the entry ``Gefen.state_dict()`` gains under DeepSpeed: wrapper, rank and world size."""
+
+
+@dataclass
+class _Flat:
+    """One buffer Gefen steps: a rank's partition of a param group or sub-group."""
+
+    tensor: torch.Tensor
+    group: int
+    segments: list[Segment]
+    labels: list[str]
+    """Original tensor name per segment; "" for padding."""
+
+
+class _Binding:
+    """What ties one Gefen optimizer to one ZeRO wrapper: layouts, first-step hold, hooks."""
+
+    def __init__(
+        self,
+        gefen: Gefen,
+        wrapper: Any,
+        kind: str,
+        flats: list[_Flat],
+        group: dist.ProcessGroup | None,
+        republish: Callable[[int], None],
+    ) -> None:
+        self.gefen = gefen
+        self.wrapper = wrapper
+        self.kind = kind
+        self.flats = flats
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self._republish = republish
+        self._group_dicts = list(gefen.param_groups)
+        self._index = {id(f.tensor): i for i, f in enumerate(flats)}
+        self._held: dict[int, torch.Tensor] = {}
+        self._found: dict[int, torch.Tensor | None] = {}
+        self._hidden: list[int] = []
+        self._restore: tuple[list, list] | None = None
+        self._ready = False
+        for f in flats:
+            gefen.set_segments(f.tensor, f.segments, group)
+        gefen.register_step_pre_hook(self._pre_step)
+        gefen.register_step_post_hook(self._post_step)
+        gefen.register_state_dict_post_hook(self._add_meta)
+        gefen.register_load_state_dict_pre_hook(self._check_meta, prepend=True)
+        gefen.register_load_state_dict_post_hook(self._loaded)
+
+    # -- first step: hold earlier groups until every partition has its first gradient -----------
+    def _pre_step(self, opt: Gefen, args: Any, kwargs: Any) -> None:
+        if self._ready:
+            return
+        todo = {i for i, f in enumerate(self.flats) if not opt.state.get(f.tensor)}
+        if not todo:
+            self._ready = True
+            return
+        now = [
+            self._index[id(p)]
+            for g in opt.param_groups
+            for p in g["params"]
+            if p.grad is not None and id(p) in self._index
+        ]
+        if not todo <= set(now) | set(self._held):
+            # Gefen.step skips parameters without a gradient: this call updates nothing.
+            for i in now:
+                t = self.flats[i].tensor
+                self._held[i] = t.grad
+                self._hidden.append(i)
+                t.grad = None
+            return
+        self._found = {i: self.flats[i].tensor.grad for i in self._held}
+        for i, g in self._held.items():
+            self.flats[i].tensor.grad = g
+        self._restore = (opt.param_groups, [g["params"] for g in self._group_dicts])
+        for gi, g in enumerate(self._group_dicts):
+            g["params"] = [f.tensor for f in self.flats if f.group == gi]
+        opt.param_groups = list(self._group_dicts)
+
+    def _post_step(self, opt: Gefen, args: Any, kwargs: Any) -> None:
+        """Leave every gradient as the wrapper handed it over, and the param groups as it set
+        them; after the joint first update, refresh the earlier groups' low-precision copies."""
+        for i in self._hidden:
+            self.flats[i].tensor.grad = self._held[i]
+        self._hidden = []
+        if self._restore is None:
+            return
+        groups, params = self._restore
+        opt.param_groups = groups
+        for g, ps in zip(self._group_dicts, params, strict=True):
+            g["params"] = ps
+        self._restore = None
+        for i, g in self._found.items():
+            self.flats[i].tensor.grad = g
+        for i in sorted(self._held):
+            self._republish(i)
+        self._held, self._found = {}, {}
+        self._ready = True
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _meta(self) -> dict[str, Any]:
+        return {"wrapper": self.kind, "rank": self.rank, "world_size": self.world_size}
+
+    def _add_meta(self, opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {**state_dict, META_KEY: self._meta()}
+
+    def _check_meta(self, opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """ZeRO-1, ZeRO-2 and BF16_Optimizer lay partitions out alike, so a state may move
+        between them (Gefen's own check then compares the segments); ZeRO-3 partitions every
+        tensor, so its states fit nothing else; and no state fits another rank's partition."""
+        saved = state_dict.get(META_KEY)
+        here = self._meta()
+        if saved is None:
+            raise ValueError(
+                f"this Gefen state dict was not saved under DeepSpeed (no {META_KEY!r} entry), "
+                f"so it cannot fit the partitions of {here['wrapper']} rank {here['rank']} of "
+                f"{here['world_size']}; load it into a plain Gefen, or resume from a DeepSpeed "
+                "checkpoint"
+            )
+
+        def key(m: dict[str, Any]) -> tuple:
+            return (m["wrapper"] == "ZeRO-3", m["rank"], m["world_size"])
+
+        if key(saved) != key(here):
+            raise ValueError(
+                f"this Gefen state was saved by {saved['wrapper']} on rank {saved['rank']} of "
+                f"{saved['world_size']} and is being loaded into {here['wrapper']} on rank "
+                f"{here['rank']} of {here['world_size']}. Gefen's state is laid out in blocks over "
+                "each rank's partition (blocks cut at partition ends keep their own second moment "
+                "and scale) and is not re-partitioned: resume with the same ZeRO stage and world "
+                "size, or load the weights only (load_optimizer_states=False) and let Gefen "
+                "re-initialise from the next gradient"
+            )
+        return {k: v for k, v in state_dict.items() if k != META_KEY}
+
+    def _loaded(self, opt: Gefen) -> None:
+        """torch's loader replaces the param group dicts; the wrapper steps the new ones."""
+        self._group_dicts = list(opt.param_groups)
+
+    # -- reporting ----------------------------------------------------------------------------
+    def with_all_params(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` with every partition in the Gefen param groups (ZeRO-3 empties them
+        between steps)."""
+        opt = self.gefen
+        saved = (opt.param_groups, [g["params"] for g in self._group_dicts])
+        try:
+            for gi, g in enumerate(self._group_dicts):
+                g["params"] = [f.tensor for f in self.flats if f.group == gi]
+            opt.param_groups = list(self._group_dicts)
+            return fn()
+        finally:
+            opt.param_groups = saved[0]
+            for g, ps in zip(self._group_dicts, saved[1], strict=True):
+                g["params"] = ps
+
+    def block_sizes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f in self.flats:
+            st = self.gefen.state.get(f.tensor)
+            if not st:
+                continue
+            by_offset = {int(r[0]): int(r[3]) for r in st["layout"].tolist()}
+            for seg, label in zip(f.segments, f.labels, strict=True):
+                if label:
+                    out[label] = by_offset[seg.offset]
+        return out
+
+
+_BINDINGS: weakref.WeakKeyDictionary[Gefen, _Binding] = weakref.WeakKeyDictionary()
+
+
+# -- layouts ---------------------------------------------------------------------------------
+def _pad(offset: int, numel: int) -> Segment:
+    return Segment(offset=offset, numel=numel, start=0, shape=(numel,))
+
+
+def _cut(
+    pieces: list[tuple[int, tuple[int, ...], str]], lo: int, hi: int
+) -> tuple[list[Segment], list[str]]:
+    """Segments of the window [lo, hi) of a flat buffer in which tensor k (shape, name) starts at
+    ``pieces[k][0]``; what no tensor covers is padding. A tensor wholly in the window gets no
+    segment name: only pieces of tensors spread over ranks need their statistics merged."""
+    segs: list[Segment] = []
+    labels: list[str] = []
+    pos = lo
+    for at, shape, name in sorted(pieces):
+        n = _numel(shape)
+        a, b = max(at, lo), min(at + n, hi)
+        if a >= b:
+            continue
+        if a > pos:
+            segs.append(_pad(pos - lo, a - pos))
+            labels.append("")
+        segs.append(Segment(a - lo, b - a, a - at, shape, name if b - a < n else ""))
+        labels.append(name)
+        pos = b
+    if pos < hi:
+        segs.append(_pad(pos - lo, hi - pos))
+        labels.append("")
+    return segs, labels
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _names(wrapper: Any) -> dict[int, str]:
+    return {id(p): n for p, n in (getattr(wrapper, "param_names", None) or {}).items()}
+
+
+def _one_group(groups: list[dist.ProcessGroup], what: str) -> dist.ProcessGroup:
+    first = groups[0]
+    if any(g is not first for g in groups):
+        raise ValueError(
+            f"Gefen under DeepSpeed needs every {what} partitioned over one process group; this "
+            "engine uses several (MoE expert groups or ZeRO-3 parameter groups): one Gefen "
+            "optimizer spans one process group"
+        )
+    return first
+
+
+def _stage12(zo: DeepSpeedZeroOptimizer) -> tuple[list[_Flat], dist.ProcessGroup, Callable]:
+    names = _names(zo)
+    pg = _one_group(list(zo.real_dp_process_group), "param group")
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    flats = []
+    for i, params in enumerate(zo.round_robin_bit16_groups):
+        flat = zo.single_partition_of_fp32_groups[i]
+        size = int(zo.partition_size[i])
+        total = zo.bit16_groups_flat[i].numel()
+        if size * world != total or flat.numel() != size:
+            raise RuntimeError(
+                f"ZeRO param group {i}: partition of {flat.numel()} elements, expected {size} of "
+                f"a {total}-element flat buffer over {world} ranks; this DeepSpeed version "
+                "partitions differently from what gefen_dist.deepspeed knows"
+            )
+        # Older DeepSpeed has no parameter alignment padding (nor these lists).
+        metas = zo.round_robin_bit16_meta[i] if hasattr(zo, "round_robin_bit16_meta") else params
+        pads = getattr(zo, "round_robin_bit16_padding", None)
+        pieces, at = [], 0
+        for k, (p, meta) in enumerate(zip(params, metas, strict=True)):
+            pieces.append((at, tuple(meta.shape), names.get(id(p), f"group {i} param {k}")))
+            at += meta.numel() + (pads[i][k] if pads is not None else 0)
+        segs, labels = _cut(pieces, rank * size, (rank + 1) * size)
+        flats.append(_Flat(flat, i, segs, labels))
+
+    def republish(i: int) -> None:
+        part = zo.parallel_partitioned_bit16_groups[i][rank]
+        part.data.copy_(zo.single_partition_of_fp32_groups[i].data)
+
+    return flats, pg, republish
+
+
+def _bf16(bo: BF16_Optimizer) -> tuple[list[_Flat], dist.ProcessGroup, Callable]:
+    names = _names(bo)
+    pg = _one_group(list(bo.real_dp_process_group), "param group")
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    flats = []
+    for i, params in enumerate(bo.bf16_groups):
+        flat = bo.fp32_groups_flat_partition[i]
+        size = bo.bf16_groups_flat[i].numel() // world
+        pieces, at = [], 0
+        for k, p in enumerate(params):
+            pieces.append((at, tuple(p.shape), names.get(id(p), f"group {i} param {k}")))
+            at += p.numel()
+        segs, labels = _cut(pieces, rank * size, (rank + 1) * size)
+        flats.append(_Flat(flat, i, segs, labels))
+    return flats, pg, lambda i: None
+
+
+def _stage3(zo: DeepSpeedZeroOptimizer_Stage3) -> tuple[list[_Flat], dist.ProcessGroup, Callable]:
+    names = _names(zo)
+    n = len(zo.fp16_groups)
+    pgs = [zo._get_sub_group_process_group(j) for j in range(n)]
+    pg = _one_group(pgs, "sub-group")
+    rank = dist.get_rank(pg)
+    flats = []
+    for j, params in enumerate(zo.fp16_groups):
+        flat = zo.fp32_partitioned_groups_flat[j]
+        segs, labels = [], []
+        at = 0
+        for p in params:
+            pn = p.partition_numel()
+            shape = tuple(p.ds_shape)
+            start = rank * pn
+            real = max(0, min(pn, p.ds_numel - start))
+            name = names.get(id(p), f"param {p.ds_id}")
+            if real:
+                segs.append(Segment(at, real, start, shape, name if real < p.ds_numel else ""))
+                labels.append(name)
+            if pn > real:
+                segs.append(_pad(at + real, pn - real))
+                labels.append("")
+            at += pn
+        if at != flat.numel():
+            raise RuntimeError(
+                f"ZeRO-3 sub-group {j}: flat partition has {flat.numel()} elements, its "
+                f"parameters' partitions {at}; this DeepSpeed version lays out sub-groups "
+                "differently from what gefen_dist.deepspeed knows"
+            )
+        flats.append(_Flat(flat, int(zo.sub_group_to_group_id[j]), segs, labels))
+    return flats, pg, zo._reassign_or_swap_out_partitioned_parameters
+
+
+# -- configuration ---------------------------------------------------------------------------
+def _refuse_unsupported(engine: DeepSpeedEngine | None, wrapper: Any) -> None:
+    def no(problem: str) -> None:
+        raise ValueError(f"Gefen under DeepSpeed: {problem}")
+
+    if engine is not None and engine.load_universal_checkpoint():
+        no(
+            "load_universal_checkpoint is not supported: a universal checkpoint restores only "
+            "optimizer state kept element by element (AdamW's exp_avg), so Gefen's block state "
+            "would be silently dropped; resume from the rigid ZeRO checkpoint instead"
+        )
+    if getattr(wrapper, "elastic_checkpoint", False):
+        no(
+            "zero_optimization.elastic_checkpoint is not supported: it strips partition padding "
+            "from every optimizer-state tensor and merges them element by element, which would "
+            "corrupt Gefen's per-block state; leave it false (the default)"
+        )
+    if getattr(wrapper, "has_moe_layers", False):
+        no("MoE layers are not supported (experts are partitioned over other process groups)")
+    if getattr(wrapper, "zenflow", False):
+        no("ZenFlow is not supported (it steps its own CPU optimizer)")
+    if isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
+        if wrapper.swap_optimizer or wrapper.params_in_nvme_and_cpu:
+            no("NVMe offload is not supported (the swapper assumes element-wise optimizer state)")
+        if wrapper.offload_optimizer and wrapper.partial_offload != 1.0:
+            no(
+                "partial optimizer offload (offload_optimizer.ratio < 1) is not supported: part "
+                "of the sub-groups would be stepped by a separate backup optimizer"
+            )
+
+
+def configure(target: Any) -> None:
+    """Bind the Gefen optimizer inside a DeepSpeed engine (or ZeRO wrapper) to its partitions.
+
+    Called automatically for engines built after this module was imported; calling it again is a
+    no-op. Raises ValueError naming the problem for configurations Gefen does not support."""
+    engine = target if isinstance(target, DeepSpeedEngine) else None
+    wrapper = engine.optimizer if engine is not None else target
+    if isinstance(wrapper, Gefen):
+        return  # no ZeRO: Gefen is handed the model's own parameters
+    gefen = getattr(wrapper, "optimizer", None)
+    if not isinstance(gefen, Gefen):
+        raise ValueError(f"no Gefen optimizer inside {type(wrapper).__name__}")
+    bound = _BINDINGS.get(gefen)
+    if bound is not None:
+        if bound.wrapper is not wrapper:
+            raise ValueError("this Gefen optimizer is already bound to another DeepSpeed engine")
+        return
+    _refuse_unsupported(engine, wrapper)
+    kind = type(wrapper)
+    if kind is DeepSpeedZeroOptimizer:
+        flats, pg, republish = _stage12(wrapper)
+        name = "ZeRO-2" if wrapper.partition_gradients else "ZeRO-1"
+    elif kind is DeepSpeedZeroOptimizer_Stage3:
+        flats, pg, republish = _stage3(wrapper)
+        name = "ZeRO-3"
+    elif kind is BF16_Optimizer:
+        flats, pg, republish = _bf16(wrapper)
+        name = "BF16_Optimizer"
+    else:
+        raise ValueError(
+            f"Gefen under DeepSpeed: the {kind.__name__} wrapper is not supported; use ZeRO "
+            "stage 1, 2 or 3 (zero_optimization.stage), or fp32 training without ZeRO"
+        )
+    _BINDINGS[gefen] = _Binding(gefen, wrapper, name, flats, pg, republish)
+
+
+def _binding(engine: Any) -> _Binding:
+    wrapper = engine.optimizer if isinstance(engine, DeepSpeedEngine) else engine
+    b = _BINDINGS.get(getattr(wrapper, "optimizer", None))
+    if b is None:
+        raise ValueError("no Gefen optimizer bound to this engine (see configure)")
+    return b
+
+
+def memory_report(engine: Any) -> dict[str, Any]:
+    """``Gefen.memory_report()`` of this rank's partitions, with the wrapper, rank and world size.
+
+    ``adamw_bytes`` is what AdamW keeps for the same partitions under the same ZeRO stage."""
+    b = _binding(engine)
+    return {**b.with_all_params(b.gefen.memory_report), **b._meta()}
+
+
+def block_sizes(engine: Any) -> dict[str, int]:
+    """Block size chosen for each original tensor with a piece on this rank, by parameter name."""
+    return _binding(engine).block_sizes()
+
+
+# -- installation ----------------------------------------------------------------------------
+def _install() -> None:
+    if Gefen not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(Gefen)
+    original = DeepSpeedEngine._configure_optimizer
+    if getattr(original, "_gefen", False):
+        return
+
+    @functools.wraps(original)
+    def _configure_optimizer(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if isinstance(getattr(self, "basic_optimizer", None), Gefen):
+            configure(self)
+
+    _configure_optimizer._gefen = True  # type: ignore[attr-defined]
+    DeepSpeedEngine._configure_optimizer = _configure_optimizer
+
+
+_install()

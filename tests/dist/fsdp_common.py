@@ -1,0 +1,175 @@
+"""Shared by the torchrun scripts: the tiny models, their batches, and a single-process reference.
+
+Every rank builds the same model from seed 0 and the same global batch per step; a distributed
+rank trains on its slice of the batch (``rows``), the reference on all of it, so with a mean loss
+the averaged gradient equals the reference gradient up to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from gefen_dist import Gefen
+from gefen_dist.model import GPT, Block, GPTConfig
+
+torch.set_num_threads(1)
+
+TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=64)
+BATCH = 8
+HYPER = dict(lr=3e-3, weight_decay=0.1)
+
+
+class Odd(nn.Module):
+    """Shapes that shard unevenly on 2 ranks: dim 0 of 101 rows, 6363 + 707 + 7 elements in all
+    (odd, so FSDP1 pads its flat shard), and a 101x63 weight large enough to get blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(63, 101, bias=False)
+        self.out = nn.Linear(101, 7)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pred = self.out(torch.tanh(self.fc(x)))
+        return pred, F.mse_loss(pred, y)
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(TINY) if kind == "gpt" else Odd()
+
+
+def batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "gpt":
+        x = torch.randint(0, 256, (BATCH, TINY.block_size), generator=g)
+        return x, torch.roll(x, -1, dims=1)
+    x = torch.randn(BATCH, 63, generator=g)
+    return x, torch.randn(BATCH, 7, generator=g)
+
+
+def wrap(kind: str, setup: str) -> torch.nn.Module:
+    model = build(kind)
+    if setup == "fsdp2":
+        if kind == "gpt":
+            for b in model.transformer.h:
+                fully_shard(b)
+        fully_shard(model)
+        return model
+    policy = ModuleWrapPolicy({Block}) if kind == "gpt" else None
+    return FSDP(
+        model,
+        auto_wrap_policy=policy,
+        use_orig_params=setup == "fsdp1_orig",
+        device_id=torch.device("cpu"),
+    )
+
+
+def full_params(model: torch.nn.Module, setup: str) -> dict[str, torch.Tensor]:
+    if setup == "fsdp2":
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    with FSDP.summon_full_params(model):
+        return {
+            n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+            for n, p in model.named_parameters()
+        }
+
+
+def cut_blocks(opt: Gefen) -> int:
+    """Blocks that a shard boundary cuts on this rank: each piece keeps its own v and absmax."""
+    n = 0
+    for st in opt.state.values():
+        for _, numel, start, bs in st["layout"].tolist():
+            if bs > 1 and numel:
+                n += int(start % bs != 0) + int((start + numel) % bs != 0)
+    return n
+
+
+def padding(opt: Gefen) -> int:
+    """Elements of FSDP padding on this rank (unnamed segments), kept as B = 1 state."""
+    return sum(
+        seg.numel for p in opt.state for seg in opt._segments_for(p) if not seg.name and seg.numel
+    )
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a global batch."""
+    n = t.shape[0] // dist.get_world_size()
+    return t[dist.get_rank() * n : (dist.get_rank() + 1) * n]
+
+
+def global_loss(loss: torch.Tensor) -> float:
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def gefen(params, bits: int) -> Gefen:
+    """Gefen as a user builds it; GEFEN_BACKEND=reference|numba pins the update backend, to tell
+    an integration fault from a kernel one."""
+    opt = Gefen(params, bits=bits, **HYPER)
+    if os.environ.get("GEFEN_BACKEND"):
+        opt.backend = os.environ["GEFEN_BACKEND"]
+    return opt
+
+
+def reference(kind: str, steps: int, bits: int) -> dict:
+    """Single-process Gefen on the whole batch: losses, codebook, block size per tensor, params."""
+    model = build(kind)
+    opt = gefen(list(model.named_parameters()), bits)
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = model(*batch(kind, s))[1]
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    names = {p: n for n, p in model.named_parameters()}
+    blocks = {names[p]: int(st["layout"][0, 3]) for p, st in opt.state.items()}
+    codebook = next(iter(opt.state.values()))["codebook"]
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state_bytes = opt.memory_report()["state_bytes"]
+    return dict(
+        losses=losses, blocks=blocks, codebook=codebook, params=params, state_bytes=state_bytes
+    )
+
+
+def block_sizes(opt: Gefen) -> dict[str, int]:
+    """Block size per named tensor piece on this rank (padding segments have no name)."""
+    out = {}
+    for p, st in opt.state.items():
+        segs = opt._segments_for(p)
+        for seg, row in zip(segs, st["layout"].tolist(), strict=True):
+            if seg.name and seg.numel:
+                out[seg.name] = int(row[3])
+    return out
+
+
+def codebooks(opt: Gefen) -> list[list[float]]:
+    """Every parameter's codebook on this rank, distinct ones only."""
+    seen = []
+    for st in opt.state.values():
+        c = st["codebook"].tolist()
+        if c not in seen:
+            seen.append(c)
+    return seen
+
+
+def write(out: str, result: dict) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    path = Path(out) / f"rank{dist.get_rank()}.json"
+    path.write_text(json.dumps(result, indent=1, sort_keys=True))
+
+
+def init() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo")
