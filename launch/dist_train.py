@@ -30,7 +30,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["ddp", "fsdp1", "fsdp2", "deepspeed", "accelerate"])
     ap.add_argument("--optimizer", choices=["gefen", "adamw"], default="gefen")
-    ap.add_argument("--bits", type=int, default=8)
+    ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--zero", type=int, default=2, help="DeepSpeed ZeRO stage")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch-size", type=int, default=8, help="per rank")
