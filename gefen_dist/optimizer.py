@@ -46,9 +46,9 @@ class Gefen(Optimizer):
     """AdamW with a block-shared second moment and a learned-codebook first moment.
 
     Arguments are those of ``torch.optim.AdamW`` (same defaults) plus ``bits`` (4, the default,
-    or 8: the width of the stored first-moment codes; 4-bit codes are packed two per byte). ``amsgrad``,
-    ``capturable`` and ``differentiable`` are not supported; ``foreach`` and ``fused`` are
-    accepted so that a one-line swap from AdamW works, and do not change the results.
+    or 8: the width of the stored first-moment codes; 4-bit codes are packed two per byte).
+    ``amsgrad``, ``capturable`` and ``differentiable`` are not supported; ``foreach`` and
+    ``fused`` are accepted so that a one-line swap from AdamW works, and change nothing.
     """
 
     def __init__(
