@@ -1,7 +1,10 @@
 """Gefen for distributed PyTorch: an AdamW drop-in with ~1 byte of optimizer state per parameter."""
 
 from .optimizer import Gefen, format_memory_report
+from .register import register, register_loaded
 from .segments import Segment
 
-__all__ = ["Gefen", "Segment", "format_memory_report"]
+__all__ = ["Gefen", "Segment", "format_memory_report", "register"]
 __version__ = "0.1.0"
+
+register_loaded()

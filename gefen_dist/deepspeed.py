@@ -18,6 +18,15 @@ Importing this module registers Gefen as a ZeRO-supported optimizer (no
 on a Gefen optimizer as soon as its ZeRO wrapper exists, before any step or checkpoint load.
 ``configure(engine)`` does the same by hand (for a wrapper built some other way) and is idempotent.
 
+It also lets a DeepSpeed JSON config name Gefen itself, ``"optimizer": {"type": "Gefen", "params":
+{...}}`` (the type in any case), so that launchers which build the optimizer from the config
+(``deepspeed.initialize`` without ``optimizer=``, Accelerate's ``DummyOptim``, the Hugging Face
+Trainer's ``--deepspeed``) get Gefen. DeepSpeed resolves a type it does not know with
+``getattr(torch.optim, name)``; the hook adds ``"gefen"`` to DeepSpeed's own optimizer names (which
+makes its config lower-case the type and its sanity check accept it) and builds Gefen in
+``DeepSpeedEngine._configure_basic_optimizer``. ``params`` are Gefen's keyword arguments; any other
+key is refused with the list of valid ones (DeepSpeed would pass it on as a TypeError).
+
 Checkpoints: ZeRO's rigid checkpoints (the default) carry each rank's ``Gefen.state_dict()``
 unchanged and load it through Gefen's own hooks, so a resume is exact. A state fits only the same
 partitions: DeepSpeed itself refuses a changed data-parallel world size, and the state dict records
@@ -31,6 +40,7 @@ which restores only element-wise state keys and would silently drop Gefen's.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +48,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime import config as ds_config
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero import utils as zero_utils
@@ -47,7 +58,10 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from .optimizer import Gefen
 from .segments import Segment
 
-__all__ = ["configure", "memory_report", "block_sizes", "META_KEY"]
+__all__ = ["configure", "memory_report", "block_sizes", "from_config", "META_KEY", "OPTIMIZER_TYPE"]
+
+OPTIMIZER_TYPE = "gefen"
+"""``optimizer.type`` of a DeepSpeed config that selects Gefen (matched in any case)."""
 
 META_KEY = "gefen_deepspeed"
 """Key of the entry ``Gefen.state_dict()`` gains under DeepSpeed: wrapper, rank and world size."""
@@ -445,10 +459,50 @@ def block_sizes(engine: Any) -> dict[str, int]:
     return _binding(engine).block_sizes()
 
 
+# -- optimizer from a config ---------------------------------------------------------------
+def _config_keys() -> list[str]:
+    sig = inspect.signature(Gefen.__init__)
+    return [n for n in sig.parameters if n not in ("self", "params")]
+
+
+def from_config(params: Any, config_params: dict[str, Any] | None) -> Gefen:
+    """Build Gefen from a DeepSpeed config's ``optimizer.params`` (lists become tuples: JSON has
+    no tuples and ``betas`` is one). Unknown keys raise ValueError listing the valid ones."""
+    kwargs = dict(config_params or {})
+    valid = _config_keys()
+    unknown = sorted(k for k in kwargs if k not in valid)
+    if unknown:
+        raise ValueError(
+            f"DeepSpeed config optimizer {{'type': 'Gefen'}}: unknown params {unknown}; Gefen "
+            f"takes {valid} (AdamW's arguments plus bits); gradient clipping is DeepSpeed's "
+            "top-level 'gradient_clipping'"
+        )
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    return Gefen(params, **kwargs)
+
+
 # -- installation ----------------------------------------------------------------------------
+def _install_config_type() -> None:
+    if OPTIMIZER_TYPE not in ds_config.DEEPSPEED_OPTIMIZERS:
+        ds_config.DEEPSPEED_OPTIMIZERS.append(OPTIMIZER_TYPE)
+    original = DeepSpeedEngine._configure_basic_optimizer
+    if getattr(original, "_gefen", False):
+        return
+
+    @functools.wraps(original)
+    def _configure_basic_optimizer(self: DeepSpeedEngine, model_parameters: Any) -> Any:
+        if str(self.optimizer_name()).lower() == OPTIMIZER_TYPE:
+            return from_config(model_parameters, self.optimizer_params())
+        return original(self, model_parameters)
+
+    _configure_basic_optimizer._gefen = True  # type: ignore[attr-defined]
+    DeepSpeedEngine._configure_basic_optimizer = _configure_basic_optimizer
+
+
 def _install() -> None:
     if Gefen not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(Gefen)
+    _install_config_type()
     original = DeepSpeedEngine._configure_optimizer
     if getattr(original, "_gefen", False):
         return

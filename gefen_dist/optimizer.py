@@ -95,16 +95,19 @@ class Gefen(Optimizer):
             importlib.import_module("gefen_dist.deepspeed")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        _check_hyper({**self.defaults, **param_group})
         super().add_param_group(param_group)
         self._initialized = False
-        group = self.param_groups[-1]
-        _check_hyper(group)
-        for p in group["params"]:
-            if p.is_complex():
-                raise TypeError(f"Gefen does not support complex parameters ({self._name(p)})")
-            if sharding.is_dtensor(p):
-                sharding.check_layout(p, self._name(p))
-                self._use_group(sharding.group_of(p), p)
+        try:
+            for p in self.param_groups[-1]["params"]:
+                if p.is_complex():
+                    raise TypeError(f"Gefen does not support complex parameters ({self._name(p)})")
+                if sharding.is_dtensor(p):
+                    sharding.check_layout(p, self._name(p))
+                    self._use_group(sharding.group_of(p), p)
+        except (TypeError, ValueError):
+            self.param_groups.pop()  # a refused group is not half-added
+            raise
 
     # -- integration hooks -------------------------------------------------------------------
     def set_segments(

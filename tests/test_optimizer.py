@@ -260,6 +260,9 @@ def test_bad_group_added_later_is_refused():
     opt = Gefen([torch.zeros(3, requires_grad=True)])
     with pytest.raises(ValueError, match="bits"):
         opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "bits": 2})
+    with pytest.raises(TypeError, match="complex"):
+        opt.add_param_group({"params": [torch.zeros(2, dtype=torch.complex64)]})
+    assert len(opt.param_groups) == 1
 
 
 def test_sparse_and_complex_are_refused():
