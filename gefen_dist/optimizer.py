@@ -80,6 +80,7 @@ class Gefen(Optimizer):
         self._initialized = False
         self._display: dict[torch.Tensor, str] = {}
         self._backend = "auto"
+        self._views: dict[torch.Tensor, tuple] = {}
         self._pending_install: list[tuple[torch.Tensor, dict]] = []
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(Gefen._stash_state)
@@ -225,7 +226,7 @@ class Gefen(Optimizer):
                     raise TypeError(f"Gefen does not support sparse gradients ({self._name(p)})")
                 if not self.state.get(p):
                     pending.append((p, group))
-        if not self._initialized and self._any_rank_pending(bool(pending)):
+        if (pending or not self._initialized) and self._any_rank_pending(bool(pending)):
             self._initialize(pending)
         # wrappers (ZeRO) may show one param group per call: registered buffers count too
         known = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -245,13 +246,13 @@ class Gefen(Optimizer):
                     weight_decay=group["weight_decay"],
                     step=int(st["step"].item()),
                 )
-                levels = st["codebook"]
-                mids, bits = midpoints(levels), state.bits_of(levels)
+                levels, mids, views = self._prepared(p, st)
+                bits = state.bits_of(levels)
                 flat_p = _flat(sharding.local(p), p, self)
                 flat_g = _flat(sharding.local(p.grad), p, self)
                 if group["maximize"]:
                     flat_g = -flat_g
-                for offset, seg in state.segment_views(st):
+                for offset, seg in views:
                     ps = flat_p[offset : offset + seg.numel]
                     gs = flat_g[offset : offset + seg.numel]
                     if seg.block_size == 1:
@@ -276,6 +277,16 @@ class Gefen(Optimizer):
         if name == "numba" and cpu_kernel is None:
             raise ValueError("backend='numba' needs numba, which failed to import")
         self._backend = name
+
+    def _prepared(self, p: torch.Tensor, st: dict) -> tuple:
+        """Codebook, its midpoints and the per-segment views of ``st``, computed once per state
+        (a load or a re-initialisation brings new tensors, hence new ones)."""
+        hit = self._views.get(p)
+        if hit is None or hit[0] is not st["codes"] or hit[1] is not st["codebook"]:
+            levels = st["codebook"]
+            hit = (st["codes"], levels, midpoints(levels), state.segment_views(st))
+            self._views[p] = hit
+        return hit[1], hit[2], hit[3]
 
     def _native(self, p: torch.Tensor, g: torch.Tensor) -> bool:
         if self._backend == "reference" or cpu_kernel is None:

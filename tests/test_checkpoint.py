@@ -131,7 +131,7 @@ def test_load_restores_lr_and_codebook_for_late_params():
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["lr"] == 1e-4
     extra = torch.zeros(100, 96, requires_grad=True)
-    opt2.add_param_group({"params": [extra], "param_names": ["extra"]})
+    opt2.add_param_group({"params": [extra], "param_names": ["extra"], "bits": 8})
     extra.grad = torch.randn(100, 96)
     opt2.step()
     assert torch.equal(opt2.state[extra]["codebook"], opt.state[model.lm_head.weight]["codebook"])

@@ -336,3 +336,17 @@ def test_four_bit_state_is_packed():
         (math.ceil(p.numel() / 2) + 8 * 301) / p.numel()
     )
     assert unpack4(st["codes"], p.numel()).max() < 16
+
+
+def test_unfrozen_param_is_initialised_when_it_first_gets_a_gradient():
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    opt = Gefen(model.parameters(), lr=1e-2)
+    _loss(model).backward()
+    opt.step()
+    assert not opt.state.get(model[0].weight)
+    model[0].weight.requires_grad_(True)
+    opt.zero_grad()
+    _loss(model).backward()
+    opt.step()
+    assert int(opt.state[model[0].weight]["step"]) == 1
