@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from fsdp_common import batch, build, codebooks, gefen, global_loss, init, reference, rows, write
+from fsdp_common import build, codebooks, gefen, init, reference, train, write
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -32,24 +32,10 @@ def state_digest(opt) -> str:
     return h.hexdigest()
 
 
-def train(model, opt, first: int, steps: int, split: bool) -> list[float]:
-    losses = []
-    for s in range(first, first + steps):
-        opt.zero_grad()
-        x, y = batch("gpt", s)
-        if split:
-            x, y = rows(x), rows(y)
-        loss = model(x, y)[1]
-        loss.backward()
-        opt.step()
-        losses.append(global_loss(loss))
-    return losses
-
-
 def run(steps: int, bits: int, split: bool, ref: dict) -> dict:
     model = DDP(build("gpt"))
     opt = gefen(model.parameters(), bits)
-    losses = train(model, opt, 0, steps, split)
+    losses = train("gpt", model, opt, 0, steps, split)
     names = {p: n.removeprefix("module.") for n, p in model.named_parameters()}
     drift = {
         names[p]: (p.detach() - ref["params"][names[p]]).abs().max().item()
@@ -69,17 +55,17 @@ def run(steps: int, bits: int, split: bool, ref: dict) -> dict:
 def resume(ckdir: Path, bits: int) -> dict:
     model = DDP(build("gpt"))
     opt = gefen(model.parameters(), bits)
-    train(model, opt, 0, 3, split=True)
+    train("gpt", model, opt, 0, 3)
     if dist.get_rank() == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, ckdir / "ddp.pt")
     dist.barrier()
-    whole = train(model, opt, 3, 3, split=True)
+    whole = train("gpt", model, opt, 3, 3)
     fresh = DDP(build("gpt"))
     fresh_opt = gefen(fresh.parameters(), bits)
     ck = torch.load(ckdir / "ddp.pt", weights_only=True)
     fresh.load_state_dict(ck["model"])
     fresh_opt.load_state_dict(ck["opt"])
-    resumed = train(fresh, fresh_opt, 3, 3, split=True)
+    resumed = train("gpt", fresh, fresh_opt, 3, 3)
     pairs = zip(model.parameters(), fresh.parameters(), strict=True)
     exact = all(torch.equal(a, b) for a, b in pairs)
     return dict(

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsdp_common import batch, full_params, gefen, global_loss, init, rows, wrap, write
+from fsdp_common import full_params, gefen, init, train, wrap, write
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -52,18 +52,6 @@ def setup_run(kind: str, setup: str, bits: int, path: str = ""):
     if path != "dcp_unconfigured":  # FSDP2 users who skip configure: Gefen configures itself
         gefen_dist.fsdp.configure(model, opt)
     return model, opt
-
-
-def train(kind: str, model, opt, first: int, steps: int) -> list[float]:
-    losses = []
-    for s in range(first, first + steps):
-        opt.zero_grad()
-        x, y = batch(kind, s)
-        loss = model(rows(x), rows(y))[1]
-        loss.backward()
-        opt.step()
-        losses.append(global_loss(loss))
-    return losses
 
 
 def raw_state(opt) -> list[dict[str, torch.Tensor]]:

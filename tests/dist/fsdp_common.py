@@ -113,6 +113,22 @@ def global_loss(loss: torch.Tensor) -> float:
     return t.item() / dist.get_world_size()
 
 
+def train(kind: str, model, opt, first: int, steps: int, split: bool = True) -> list[float]:
+    """Steps ``first .. first + steps``; ``split``: each rank takes its rows of the batch (data
+    parallel), else every rank the whole batch. Returns the loss averaged over ranks."""
+    losses = []
+    for s in range(first, first + steps):
+        opt.zero_grad()
+        x, y = batch(kind, s)
+        if split:
+            x, y = rows(x), rows(y)
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        losses.append(global_loss(loss))
+    return losses
+
+
 def gefen(params, bits: int) -> Gefen:
     """Gefen as a user builds it; GEFEN_BACKEND=reference|numba pins the update backend, to tell
     an integration fault from a kernel one."""

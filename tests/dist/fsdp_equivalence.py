@@ -15,18 +15,16 @@ import sys
 import torch
 import torch.distributed as dist
 from fsdp_common import (
-    batch,
     block_sizes,
     build,
     codebooks,
     cut_blocks,
     full_params,
     gefen,
-    global_loss,
     init,
     padding,
     reference,
-    rows,
+    train,
     wrap,
     write,
 )
@@ -41,16 +39,7 @@ def run(kind: str, setup: str, steps: int, bits: int, ref: dict, split: bool) ->
     model = wrap(kind, setup)
     opt = gefen(model.parameters(), bits)
     gefen_dist.fsdp.configure(model, opt)
-    losses = []
-    for s in range(steps):
-        opt.zero_grad()
-        x, y = batch(kind, s)
-        if split:
-            x, y = rows(x), rows(y)
-        loss = model(x, y)[1]
-        loss.backward()
-        opt.step()
-        losses.append(global_loss(loss))
+    losses = train(kind, model, opt, 0, steps, split)
     if setup == "fsdp2":
         blocks = {n: int(opt.state[p]["layout"][0, 3]) for n, p in model.named_parameters()}
     else:
