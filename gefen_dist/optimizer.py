@@ -171,8 +171,16 @@ class Gefen(Optimizer):
     def _reduce_histogram(self, counts: torch.Tensor) -> torch.Tensor:
         """Every rank learns the codebook from the sum of all ranks' histograms."""
         if self._group is not None:
-            dist.all_reduce(counts, group=self._group)
+            on = counts.to(self._comm_device())
+            dist.all_reduce(on, group=self._group)
+            counts = on.to(counts.device)
         return counts
+
+    def _comm_device(self) -> torch.device:
+        """NCCL reduces only CUDA tensors, gloo CPU ones."""
+        if dist.get_backend(self._group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _cut_block_absmax(self, plan, block_of) -> dict[Hashable, dict[int, float]]:
         """Whole-block absmax of g0 for blocks cut by a shard boundary, so that every rank
@@ -206,7 +214,7 @@ class Gefen(Optimizer):
         """Partitioning is collective when parameters are sharded: all ranks enter it together."""
         if self._group is None:
             return pending
-        flag = torch.tensor([int(pending)])
+        flag = torch.tensor([int(pending)], device=self._comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
 
