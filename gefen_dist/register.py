@@ -1,0 +1,45 @@
+"""``gefen_dist.register()``: make frameworks that build optimizers from configs know Gefen.
+
+Why a call and not an import side effect alone: ``import gefen_dist`` must stay cheap and must work
+without DeepSpeed installed, while DeepSpeed's config path (``"optimizer": {"type": "Gefen"}``,
+used by ``deepspeed.initialize`` without ``optimizer=``, Accelerate's ``DummyOptim`` and the Hugging
+Face Trainer's ``--deepspeed``) only knows Gefen once ``gefen_dist.deepspeed`` has patched it.
+``import gefen_dist`` does that by itself when DeepSpeed is already imported; ``register()`` does it
+whatever the import order. DDP, FSDP and Accelerate's DDP need no registration: they take the
+optimizer object.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+__all__ = ["register"]
+
+_INTEGRATIONS = {"deepspeed": "gefen_dist.deepspeed"}
+
+
+def register(*frameworks: str) -> list[str]:
+    """Install Gefen's integration into each installed framework (all known ones by default:
+    ``"deepspeed"``), and return the names installed. Idempotent. Naming a framework that is not
+    installed, or one Gefen has no integration for, raises."""
+    names = frameworks or tuple(_INTEGRATIONS)
+    done = []
+    for name in names:
+        if name not in _INTEGRATIONS:
+            raise ValueError(f"no Gefen integration for {name!r}; known: {sorted(_INTEGRATIONS)}")
+        if importlib.util.find_spec(name) is None:
+            if frameworks:
+                raise ImportError(f"gefen_dist.register({name!r}): {name} is not installed")
+            continue
+        importlib.import_module(_INTEGRATIONS[name])
+        done.append(name)
+    return done
+
+
+def register_loaded() -> None:
+    """Install the integrations of frameworks already imported (what ``import gefen_dist`` does)."""
+    for name, module in _INTEGRATIONS.items():
+        if name in sys.modules:
+            importlib.import_module(module)

@@ -1,0 +1,203 @@
+"""Gefen selected by name or passed as an object through DeepSpeed's JSON path and Accelerate.
+
+The training scripts (tests/dist/reg_*.py) hold no Gefen-specific code beyond ``import gefen_dist``
+and, where Accelerate imports DeepSpeed late, ``gefen_dist.register()``. DeepSpeed start-up is
+slow, so one launch covers ZeRO 0-3 and each Accelerate configuration is one launch.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_util import deepspeed_run, read_results, torchrun
+
+from gefen_dist.register import register
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _python(code: str) -> str:
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p.stdout
+
+
+def test_import_needs_no_framework():
+    out = _python(
+        "import sys, gefen_dist\n"
+        "print(sorted(m for m in ('deepspeed', 'accelerate', 'transformers') if m in sys.modules))"
+    )
+    assert out.strip() == "[]"
+
+
+def test_register_refuses_unknown_framework():
+    with pytest.raises(ValueError, match="no Gefen integration for 'megatron'"):
+        register("megatron")
+
+
+def test_deepspeed_config_names_gefen_in_any_case():
+    """Importing deepspeed before gefen_dist registers Gefen; ``register()`` does it after."""
+    pytest.importorskip("deepspeed")
+    check = (
+        "from deepspeed.runtime.config import DeepSpeedConfig\n"
+        "for t in ('Gefen', 'gefen', 'GEFEN'):\n"
+        "    c = DeepSpeedConfig({'train_micro_batch_size_per_gpu': 1,\n"
+        "                         'optimizer': {'type': t, 'params': {'lr': 1e-3}}})\n"
+        "    assert c.optimizer_name == 'gefen', c.optimizer_name\n"
+    )
+    _python("import deepspeed\nimport gefen_dist\n" + check)
+    _python("import gefen_dist\nassert gefen_dist.register() == ['deepspeed']\n" + check)
+    # without either, DeepSpeed keeps the name as written and would look in torch.optim
+    out = _python(
+        "from deepspeed.runtime.config import DeepSpeedConfig\n"
+        "print(DeepSpeedConfig({'train_micro_batch_size_per_gpu': 1,\n"
+        "                       'optimizer': {'type': 'GEFEN'}}).optimizer_name)"
+    )
+    assert out.strip().endswith("GEFEN")
+
+
+def test_from_config_params():
+    pytest.importorskip("deepspeed")
+    out = _python(
+        "import torch\n"
+        "from gefen_dist.deepspeed import from_config\n"
+        "p = [torch.zeros(3, requires_grad=True)]\n"
+        "o = from_config(p, {'lr': 0.1, 'betas': [0.8, 0.9], 'bits': 8})\n"
+        "assert o.defaults['betas'] == (0.8, 0.9) and o.defaults['bits'] == 8\n"
+        "try:\n"
+        "    from_config(p, {'lr': 0.1, 'max_grad_norm': 1.0, 'momentum': 0.9})\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    assert "unknown params ['max_grad_norm', 'momentum']" in out
+    assert "'betas'" in out and "'bits'" in out
+
+
+@pytest.fixture(scope="module")
+def ds_json(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("reg_ds")
+    deepspeed_run("reg_ds.py", str(out))
+    ranks = read_results(out)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    return ranks
+
+
+WRAPPER = {
+    0: "Gefen",
+    1: "DeepSpeedZeroOptimizer",
+    2: "DeepSpeedZeroOptimizer",
+    3: "DeepSpeedZeroOptimizer_Stage3",
+}
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2, 3))
+def test_deepspeed_json_builds_gefen(ds_json, stage):
+    for r in ds_json:
+        got = r[f"zero{stage}"]
+        assert got["basic"] == "Gefen" and got["wrapper"] == WRAPPER[stage]
+        assert got["betas"] == [0.9, 0.95] and got["weight_decay"] == 0.1
+        assert got["bits"] == (8 if stage == 2 else 4)  # the JSON's bits reaches Gefen
+        if stage:
+            assert got["codebook_levels"] == 2 ** got["bits"]
+            assert got["memory"] > 0
+    a, b = (r[f"zero{stage}"]["losses"] for r in ds_json)
+    assert a[0] != b[0]  # each rank its own batch
+    assert a[-1] < a[0] + 0.1 and all(x == x for x in a + b)
+
+
+def test_deepspeed_json_follows_across_stages(ds_json):
+    """Same model, data and hyper-parameters: every ZeRO stage trains like ZeRO-0 over 3 steps
+    (test_deepspeed.py bounds the partition effects at 1e-4 in loss; measured here: 1.5e-6).
+    Stage 2 runs 8-bit codes against ZeRO-0's 4-bit, hence its looser bound (measured 4e-6)."""
+    for r in ds_json:
+        ref = r["zero0"]["losses"]
+        for stage, tol in ((1, 1e-4), (2, 1e-3), (3, 1e-4)):
+            got = r[f"zero{stage}"]["losses"]
+            assert got[0] == ref[0]
+            assert max(abs(x - y) for x, y in zip(got, ref, strict=True)) < tol, (stage, got, ref)
+
+
+def test_deepspeed_json_unknown_param_is_refused(ds_json):
+    msg = ds_json[0]["unknown_param"]
+    assert msg is not None and "unknown params ['momentum']" in msg and "'bits'" in msg
+
+
+def _accelerate(tmp_path, env):
+    pytest.importorskip("accelerate")
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun("reg_accel.py", str(out), str(tmp_path / "ckpt"), env=env)
+    ranks = read_results(out)
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["world_size"] == 2
+    for r in ranks:
+        assert r["basic"] == "Gefen"
+        assert r["replay"] == r["losses"][3:]
+        assert r["resume_exact"]
+        assert r["memory"][0] < r["memory"][1]  # Gefen's state below AdamW's
+    assert ranks[0]["losses"][0] != ranks[1]["losses"][0]  # the DataLoader is sharded
+    return ranks
+
+
+def test_accelerate_ddp_save_load_state(tmp_path):
+    ranks = _accelerate(tmp_path, {"ACCELERATE_USE_CPU": "true"})
+    assert ranks[0]["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert ranks[0]["model"] == "DistributedDataParallel"
+
+
+def test_accelerate_deepspeed_dummy_optim_save_load_state(tmp_path):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")  # Accelerate's DeepSpeed path imports it
+    env = {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(CONFIGS / "ds_zero2_auto_cpu.json"),
+    }
+    ranks = _accelerate(tmp_path, env)
+    for r in ranks:
+        assert r["distributed_type"] == "DistributedType.DEEPSPEED"
+        assert r["wrapper"] == "DeepSpeedZeroOptimizer" and r["zero_stage"] == 2
+        assert r["lr"] == 3e-3  # DummyOptim's lr filled the JSON's "auto"
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 1,
+    reason="Accelerate's FSDP plugin asks for the current GPU (sync_module_states, device_id); "
+    "FSDP itself is tested on CPU ranks in test_fsdp.py",
+)
+@pytest.mark.parametrize("version", ("1", "2"))
+def test_accelerate_fsdp_save_load_state(tmp_path, version):
+    env = {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": version,
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block",
+        "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+        "FSDP_USE_ORIG_PARAMS": "true",
+    }
+    ranks = _accelerate(tmp_path, env)
+    assert ranks[0]["distributed_type"] == "DistributedType.FSDP"
+
+
+@pytest.mark.parametrize("mode", ("ds", "object"))
+def test_hf_trainer_trains_saves_resumes(tmp_path, mode):
+    """``--deepspeed`` with a Gefen JSON, and ``optimizers=(Gefen(...), None)`` under DDP: the
+    run resumed from checkpoint-3 logs the same losses for steps 4-6 and ends on the same
+    weights (a Gefen state lost in the checkpoint would re-initialise and diverge)."""
+    pytest.importorskip("transformers")
+    if mode == "ds":
+        pytest.importorskip("deepspeed")
+    ckpt = str(tmp_path / "ckpt")
+    runs = {}
+    for phase in ("train", "resume"):
+        out = tmp_path / phase
+        out.mkdir()
+        torchrun("reg_hf.py", str(out), ckpt, mode, phase, env={"HF_HUB_OFFLINE": "1"})
+        runs[phase] = read_results(out)
+    for r, again in zip(runs["train"], runs["resume"], strict=True):
+        assert r["basic"] == "Gefen" and r["world_size"] == 2
+        assert r["wrapped"] == ("DeepSpeedEngine" if mode == "ds" else "DistributedDataParallel")
+        assert sorted(r["losses"], key=int) == [str(s) for s in range(1, 7)]
+        assert all(again["losses"][str(s)] == r["losses"][str(s)] for s in (4, 5, 6))
+        assert again["weights"] == r["weights"]
