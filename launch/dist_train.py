@@ -55,9 +55,13 @@ def state_bytes(opt) -> tuple[int, int]:
     if isinstance(opt, Gefen):
         rep = opt.memory_report()
         return rep["state_bytes"], rep["adamw_bytes"]
-    local = sum(p.numel() for p in opt.state)
+
+    def _local(t):  # a DTensor's (FSDP2) numel() is the whole tensor's
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    local = sum(_local(p).numel() for p in opt.state)
     held = sum(
-        v.numel() * v.element_size()
+        _local(v).numel() * v.element_size()
         for st in opt.state.values()
         for k, v in st.items()
         if torch.is_tensor(v) and k != "step"

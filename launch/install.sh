@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Installs gefen_dist and what its tests need. Where no torch is present it installs the CPU
-# build first (torch==2.13.0 lies on this kind of machine's disk); a bare `pip install torch`
-# would pull a multi-GB CUDA build.
+# Installs gefen_dist, what its tests need (DeepSpeed, Accelerate, transformers) and matplotlib
+# (the main job's plots). Where no torch is present it installs the CPU build first
+# (torch==2.13.0 lies on this kind of machine's disk); a bare `pip install torch` would pull a
+# multi-GB CUDA build, and so would a dependency asking for torch with none installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
 fi
-"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pip install -q -e ".[test,distributed,demo]"

@@ -1,0 +1,377 @@
+"""One distributed training script for every launcher: a small GPT on the Python stdlib source.
+
+A YAML run config (``configs/run/*.yaml``) chooses the model size, data, steps, optimizer
+(Gefen or AdamW), bits and sharding (ddp, fsdp1, fsdp2, deepspeed with a ZeRO stage,
+accelerate); missing keys take the defaults in ``DEFAULTS`` and unknown or ill-typed keys stop
+the run before any process group starts, naming the key. The same file runs under::
+
+    torchrun --nproc_per_node 2 launch/train.py --config configs/run/fsdp2.yaml
+    deepspeed --num_gpus 2 launch/train.py --config configs/run/deepspeed_zero2.yaml
+    accelerate launch --multi_gpu --num_processes 2 launch/train.py \
+        --config configs/run/accelerate.yaml    # CPU processes where there is no GPU
+
+Rank 0 draws a progress bar and, with ``--out``, writes a JSON with the loss curve and every
+rank's optimizer-state bytes, parameters held, peak RSS and median step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from gefen_dist import Gefen
+from gefen_dist.corpus import get_batch, load_corpus
+from gefen_dist.model import GPT, Block, GPTConfig
+
+DEFAULTS: dict = {
+    "model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64},
+    "data": {"max_bytes": 2 * 2**20, "batch_size": 8, "val_batches": 8},
+    "steps": 40,
+    "eval_every": 10,
+    "seed": 0,
+    "optimizer": {
+        "name": "gefen",
+        "bits": 4,
+        "lr": 1e-3,
+        "betas": [0.9, 0.95],
+        "weight_decay": 0.1,
+        "warmup": 4,
+        "min_lr_frac": 0.1,
+        "grad_clip": 1.0,
+    },
+    "sharding": {"mode": "ddp", "zero_stage": 2},
+}
+CHOICES = {
+    "optimizer.name": ("gefen", "adamw"),
+    "optimizer.bits": (4, 8),
+    "sharding.mode": ("ddp", "fsdp1", "fsdp2", "deepspeed", "accelerate"),
+    "sharding.zero_stage": (1, 2, 3),
+}
+POSITIVE = {"steps", "eval_every", "data.batch_size", "data.val_batches", "data.max_bytes",
+            "model.n_layer", "model.n_head", "model.n_embd", "model.block_size"}  # fmt: skip
+MiB = 2**20
+
+
+class ConfigError(ValueError):
+    """A run config that names an unknown key, has a value of the wrong type or out of range."""
+
+
+def _merge(defaults: dict, given: dict, where: str, prefix: str = "") -> dict:
+    if not isinstance(given, dict):
+        raise ConfigError(f"{where}: {prefix.rstrip('.') or 'the config'} must be a mapping")
+    out = copy.deepcopy(defaults)
+    for key, value in given.items():
+        name = f"{prefix}{key}"
+        if key not in defaults:
+            known = ", ".join(f"{prefix}{k}" for k in defaults)
+            raise ConfigError(f"{where}: unknown key {name!r} (known here: {known})")
+        default = defaults[key]
+        if isinstance(default, dict):
+            out[key] = _merge(default, value, where, name + ".")
+            continue
+        ok = (
+            isinstance(value, list) and len(value) == len(default)
+            if isinstance(default, list)
+            else isinstance(value, float | int) and not isinstance(value, bool)
+            if isinstance(default, float)
+            else isinstance(value, type(default)) and not isinstance(value, bool)
+        )
+        if not ok:
+            raise ConfigError(f"{where}: key {name!r} must be like {default!r}, got {value!r}")
+        if name in CHOICES and value not in CHOICES[name]:
+            raise ConfigError(
+                f"{where}: key {name!r} must be one of {CHOICES[name]}, got {value!r}"
+            )
+        if name in POSITIVE and value <= 0:
+            raise ConfigError(f"{where}: key {name!r} must be positive, got {value!r}")
+        out[key] = float(value) if isinstance(default, float) else value
+    return out
+
+
+def load_config(source: str | Path | dict | None) -> dict:
+    """The full run config: a YAML path (or a dict already parsed) over ``DEFAULTS``."""
+    if source is None:
+        return copy.deepcopy(DEFAULTS)
+    if isinstance(source, dict):
+        return _merge(DEFAULTS, source, "config")
+    text = Path(source).read_text()
+    return _merge(DEFAULTS, yaml.safe_load(text) or {}, str(source))
+
+
+def set_key(cfg: dict, dotted: str) -> None:
+    """Apply one ``--set optimizer.name=adamw`` override (the value parsed as YAML)."""
+    if "=" not in dotted:
+        raise ConfigError(f"--set {dotted!r}: expected KEY=VALUE")
+    key, value = dotted.split("=", 1)
+    *path, last = key.split(".")
+    nested: dict = {last: yaml.safe_load(value)}
+    for part in reversed(path):
+        nested = {part: nested}
+    merged = _merge(DEFAULTS, _deep_update(copy.deepcopy(cfg), nested), f"--set {key}")
+    cfg.clear()
+    cfg.update(merged)
+
+
+def _deep_update(base: dict, new: dict) -> dict:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _deep_update(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def lr_factor(cfg: dict, step: int) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay to ``min_lr_frac`` at the end."""
+    o, steps = cfg["optimizer"], cfg["steps"]
+    warmup, floor = o["warmup"], o["min_lr_frac"]
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
+    o = cfg["optimizer"]
+    common = dict(lr=o["lr"], betas=tuple(o["betas"]), weight_decay=o["weight_decay"])
+    if o["name"] == "adamw":
+        return torch.optim.AdamW(params, **common)
+    return Gefen(params, bits=o["bits"], **common)
+
+
+def state_bytes(opt) -> tuple[int, int]:
+    """(optimizer-state bytes, parameters it holds state for) on this rank."""
+    while hasattr(opt, "optimizer"):  # DeepSpeed's and Accelerate's wrappers
+        opt = opt.optimizer
+    if isinstance(opt, Gefen):
+        rep = opt.memory_report()
+        return int(rep["state_bytes"]), int(rep["params"])
+    held = sum(
+        _local(v).numel() * v.element_size()
+        for st in opt.state.values()
+        for k, v in st.items()
+        if torch.is_tensor(v) and k != "step"
+    )
+    return held, sum(_local(p).numel() for p in opt.state)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece: a DTensor's (FSDP2) numel() is the whole tensor's."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def setup(cfg: dict, model: torch.nn.Module):
+    """Wrap the model for the configured sharding: (model, optimizer, engine, accelerator)."""
+    mode = cfg["sharding"]["mode"]
+    engine = accelerator = None
+    if mode == "deepspeed":
+        import deepspeed
+
+        import gefen_dist.deepspeed  # noqa: F401  registers Gefen with ZeRO, maps its partitions
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        ds_config = {
+            "train_micro_batch_size_per_gpu": cfg["data"]["batch_size"],
+            "gradient_clipping": cfg["optimizer"]["grad_clip"],
+            "zero_optimization": {"stage": cfg["sharding"]["zero_stage"]},
+        }
+        opt = build_optimizer(cfg, model.parameters())
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        return engine, opt, engine, None
+    if mode == "accelerate":
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        opt = build_optimizer(cfg, model.parameters())
+        model, opt = accelerator.prepare(model, opt)
+        return model, opt, None, accelerator
+    dist.init_process_group("gloo")
+    if mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = build_optimizer(cfg, model.parameters())
+    elif mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        import gefen_dist.fsdp
+
+        model = FSDP(
+            model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
+        )
+        opt = build_optimizer(cfg, model.parameters())
+        if isinstance(opt, Gefen):
+            gefen_dist.fsdp.configure(model, opt)  # flat shards -> original tensors
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        opt = build_optimizer(cfg, model.parameters())
+    return model, opt, engine, accelerator
+
+
+def clip(cfg: dict, model, accelerator) -> None:
+    limit = cfg["optimizer"]["grad_clip"]
+    if limit <= 0:
+        return
+    if accelerator is not None:
+        accelerator.clip_grad_norm_(model.parameters(), limit)
+    elif cfg["sharding"]["mode"] == "fsdp1":
+        model.clip_grad_norm_(limit)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+
+
+def _bar(step: int, steps: int, loss: float, t0: float) -> None:
+    width = 30
+    done = int(width * step / steps)
+    rate = (time.perf_counter() - t0) / step
+    sys.stdout.write(
+        f"\r[{'#' * done}{'.' * (width - done)}] {step}/{steps}  loss {loss:.3f}  "
+        f"{rate:.2f} s/step  eta {rate * (steps - step):4.0f} s"
+    )
+    if step == steps:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+@torch.no_grad()
+def evaluate(model, batches) -> float:
+    model.eval()
+    loss = sum(model(x, y)[1].item() for x, y in batches) / len(batches)
+    model.train()
+    return loss
+
+
+def _mean(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | None:
+    """Train under the configured sharding; rank 0 returns (and writes to ``out``) the results."""
+    torch.set_num_threads(1)
+    m, d = cfg["model"], cfg["data"]
+    mcfg = GPTConfig(
+        block_size=m["block_size"], n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"]
+    )
+    torch.manual_seed(cfg["seed"])
+    model, opt, engine, accelerator = setup(cfg, GPT(mcfg))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_data, val_data = load_corpus(max_bytes=d["max_bytes"])
+    bs, T = d["batch_size"], m["block_size"]
+    g_val = torch.Generator().manual_seed(10_000 + cfg["seed"])
+    val = [get_batch(val_data, bs, T, g_val) for _ in range(d["val_batches"])]
+    gen = torch.Generator().manual_seed(1000 * cfg["seed"] + rank)
+    base_lr = [g["lr"] for g in opt.param_groups]
+    curve = [dict(step=0, train_loss=None, val_loss=_mean(evaluate(model, val)))]
+    window: list[float] = []
+    times: list[float] = []
+    t_start = time.perf_counter()
+    for step in range(1, cfg["steps"] + 1):
+        t0 = time.perf_counter()
+        for g, lr in zip(opt.param_groups, base_lr, strict=True):
+            g["lr"] = lr * lr_factor(cfg, step - 1)
+        x, y = get_batch(train_data, bs, T, gen)
+        loss = model(x, y)[1]
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            opt.zero_grad(set_to_none=True)
+            accelerator.backward(loss) if accelerator is not None else loss.backward()
+            clip(cfg, model, accelerator)
+            opt.step()
+        window.append(loss.item())
+        times.append(time.perf_counter() - t0)
+        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
+            tl = _mean(sum(window) / len(window))
+            curve.append(dict(step=step, train_loss=tl, val_loss=_mean(evaluate(model, val))))
+            window = []
+        if rank == 0 and progress:
+            _bar(step, cfg["steps"], window[-1] if window else curve[-1]["train_loss"], t_start)
+    wall = time.perf_counter() - t_start
+    held, n = state_bytes(opt)
+    mine = torch.tensor(
+        [
+            held,
+            n,
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            statistics.median(times),
+        ],
+        dtype=torch.float64,
+    )
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    result = None
+    if rank == 0:
+        ranks = [
+            dict(
+                rank=r,
+                state_bytes=int(t[0]),
+                state_params=int(t[1]),
+                adamw_bytes=8 * int(t[1]),
+                peak_rss_bytes=int(t[2]),
+                step_time_median_s=float(t[3]),
+            )
+            for r, t in enumerate(every)
+        ]
+        result = dict(
+            config=cfg,
+            world_size=world,
+            n_params=sum(p.numel() for p in GPT(mcfg).parameters()),
+            curve=curve,
+            final_train_loss=curve[-1]["train_loss"],
+            final_val_loss=curve[-1]["val_loss"],
+            wall_time_s=wall,
+            ranks=ranks,
+            torch_version=torch.__version__,
+        )
+        if out:
+            Path(out).write_text(json.dumps(result, indent=1))
+    if engine is None and accelerator is None:
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help="YAML run config (default: the built-in DEFAULTS)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key, e.g. --set optimizer.name=adamw (repeatable)",
+    )
+    ap.add_argument("--out", help="rank 0 writes the results JSON here")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        for s in args.set:
+            set_key(cfg, s)
+    except ConfigError as e:
+        ap.exit(2, f"error: {e}\n")
+    train(cfg, args.out, progress=not args.no_progress)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
