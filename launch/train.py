@@ -343,6 +343,14 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
         )
         if out:
             Path(out).write_text(json.dumps(result, indent=1))
+        name, mode = cfg["optimizer"]["name"], cfg["sharding"]["mode"]
+        print(f"{name} under {mode}, {world} ranks: final val loss {curve[-1]['val_loss']:.4f}")
+        for r in ranks:
+            ratio = r["state_bytes"] / r["adamw_bytes"] if r["adamw_bytes"] else 0.0
+            print(
+                f"  rank {r['rank']}: optimizer state {r['state_bytes']:>10} B "
+                f"(AdamW would keep {r['adamw_bytes']:>10} B: {ratio:.3f}x)"
+            )
     if engine is None and accelerator is None:
         dist.barrier()
         dist.destroy_process_group()
