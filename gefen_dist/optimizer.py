@@ -26,8 +26,8 @@ from torch.optim import Optimizer
 from . import codebook as cb
 from . import partition, sharding, state
 from .codes import midpoints
-from .reference import Hyper, block_update, dense_update
-from .segments import Segment, block_runs
+from .reference import CHUNK, Hyper, block_update, dense_update
+from .segments import Segment, block_chunks, block_runs
 
 try:
     from . import cpu_kernel
@@ -506,15 +506,11 @@ def _histogram(
     the whole-block absmax of blocks that a shard boundary cuts."""
     if block_size == 1:
         return
-    for run in block_runs(seg.start, seg.numel, block_size):
-        rows = max(1, partition._CHUNK // run.length)
-        for r0 in range(0, run.count, rows):
-            r1 = min(r0 + rows, run.count)
-            x = g[run.elem + r0 * run.length : run.elem + r1 * run.length]
-            x = x.float().view(r1 - r0, run.length)
-            amax = x.abs().amax(dim=1, keepdim=True)
-            whole = cut.get((seg.start + run.elem) // block_size)
-            if run.length < block_size and whole is not None:
-                amax.fill_(whole)
-            keep = amax.view(-1) > 0
-            cb.histogram(x[keep] / amax[keep], cb.DEFAULT_BINS, out=counts)
+    for c in block_chunks(seg.start, seg.numel, block_size, CHUNK):
+        x = g[c.elem : c.end].float().view(c.rows, c.length)
+        amax = x.abs().amax(dim=1, keepdim=True)
+        whole = cut.get((seg.start + c.elem) // block_size)
+        if c.length < block_size and whole is not None:
+            amax.fill_(whole)
+        keep = amax.view(-1) > 0
+        cb.histogram(x[keep] / amax[keep], cb.DEFAULT_BINS, out=counts)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .codes import quantize, read_codes, write_codes
-from .segments import block_runs
+from .segments import block_chunks
 
 CHUNK = 1 << 17
 
@@ -91,25 +91,19 @@ def block_update(
     bits: int,
 ) -> None:
     """Shared-v, quantised-m update of one segment (flat views ``p`` and ``g`` of its elements)."""
-    for run in block_runs(st.start, st.numel, st.block_size):
-        rows = max(1, CHUNK // run.length)
-        for r0 in range(0, run.count, rows):
-            r1 = min(r0 + rows, run.count)
-            a = run.elem + r0 * run.length
-            b = run.elem + r1 * run.length
-            blocks = slice(run.block + r0, run.block + r1)
-            _update_blocks(
-                p[a:b].view(r1 - r0, run.length),
-                g[a:b].view(r1 - r0, run.length),
-                st,
-                a,
-                b,
-                blocks,
-                h,
-                levels,
-                mids,
-                bits,
-            )
+    for c in block_chunks(st.start, st.numel, st.block_size, CHUNK):
+        _update_blocks(
+            p[c.elem : c.end].view(c.rows, c.length),
+            g[c.elem : c.end].view(c.rows, c.length),
+            st,
+            c.elem,
+            c.end,
+            c.blocks,
+            h,
+            levels,
+            mids,
+            bits,
+        )
 
 
 def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits) -> None:

@@ -10,6 +10,7 @@ talking to the others, and no block ever crosses a segment or a shard.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -86,6 +87,36 @@ def block_runs(start: int, numel: int, block_size: int) -> list[Run]:
     if elem < numel:
         runs.append(Run(elem, block, numel - elem, 1))
     return runs
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Elements [elem, end) of a segment: blocks ``blocks`` of ``length`` elements each."""
+
+    elem: int
+    end: int
+    blocks: slice
+    length: int
+
+    @property
+    def rows(self) -> int:
+        return self.blocks.stop - self.blocks.start
+
+
+def block_chunks(start: int, numel: int, block_size: int, max_elems: int) -> Iterator[Chunk]:
+    """A segment's blocks in chunks of equal-length whole blocks, at most max(max_elems, one
+    block) elements each, so work on a chunk can view it as a (rows, length) matrix and never
+    allocates more than a chunk's worth."""
+    for run in block_runs(start, numel, block_size):
+        rows = max(1, max_elems // run.length)
+        for r0 in range(0, run.count, rows):
+            r1 = min(r0 + rows, run.count)
+            yield Chunk(
+                run.elem + r0 * run.length,
+                run.elem + r1 * run.length,
+                slice(run.block + r0, run.block + r1),
+                run.length,
+            )
 
 
 def plain_segments(numel: int, shape: tuple[int, ...], name: str = "") -> list[Segment]:
