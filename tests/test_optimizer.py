@@ -79,6 +79,7 @@ def test_block_update_matches_naive_spec(bits, start, numel, block, monkeypatch)
     p0 = torch.randn(numel, generator=_gen(2))
     p = p0.clone().requires_grad_()
     opt = Gefen([p], lr=1e-2, weight_decay=0.1, bits=bits)
+    opt.backend = "reference"  # the spec checks the reference; test_cpu_kernel checks numba
     opt.set_segments(p, [Segment(0, numel, start, shape)])
     grads = [g0] + [torch.randn(numel, generator=_gen(10 + t)) for t in range(4)]
     # the block size is the partition's to choose; force it for the spec comparison
@@ -95,7 +96,8 @@ def _state_with_block(opt, p, g0, block, start, shape):
     from gefen_dist import codebook as cb
     from gefen_dist import state
 
-    levels = cb.learn_codebook(cb.histogram(torch.rand(1000) * 2 - 1), opt.param_groups[0]["bits"])
+    x = torch.rand(1000, generator=_gen(7)) * 2 - 1
+    levels = cb.learn_codebook(cb.histogram(x), opt.param_groups[0]["bits"])
     return state.allocate([Segment(0, p.numel(), start, shape)], [block], levels, p.device)
 
 
@@ -104,6 +106,7 @@ def test_chunking_does_not_change_results(monkeypatch):
         torch.manual_seed(0)
         p = torch.randn(300, 96).requires_grad_()
         opt = Gefen([p], lr=1e-2, bits=4)
+        opt.backend = "reference"  # the chunked one
         for t in range(4):
             p.grad = _row_grad((300, 96), t)
             opt.step()
