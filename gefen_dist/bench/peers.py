@@ -1,0 +1,183 @@
+"""The optimizers Gefen is compared with, built one way and measured one way.
+
+Why one module: a comparison is only fair when every optimizer sees the same parameters, the
+same hyperparameters and the same lr schedule, and when its state is counted the same way. Peers
+come from their PyPI packages; one that is missing or fails to build raises ``Unavailable`` with
+the reason, so a report lists it as skipped instead of dying.
+
+Counting: every tensor reachable from ``opt.state`` (quantised tensor subclasses unpacked into
+the plain tensors that hold their storage), each storage once (bitsandbytes and torchao share
+their quantisation maps), step counters and maps included. Nothing is estimated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Unavailable(RuntimeError):
+    """A peer that cannot run here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    label: str
+    momentum: bool
+    """Keeps a first moment (the peers Gefen's memory goal is measured against)."""
+    package: str
+    build: Callable[..., torch.optim.Optimizer] = field(repr=False)
+    lr_scale: float = 1.0
+    """Multiplies the task's AdamW lr; 1 for every AdamW-like method (same lr, same schedule)."""
+
+
+def _adamw(params, model, lr, betas, eps, weight_decay, **_):
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def _gefen(bits):
+    def build(params, model, lr, betas, eps, weight_decay, **_):
+        from gefen_dist import Gefen
+
+        return Gefen(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bits=bits)
+
+    return build
+
+
+def _bnb8(params, model, lr, betas, eps, weight_decay, **_):
+    bnb = _import("bitsandbytes")
+    return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def _torchao(bits):
+    def build(params, model, lr, betas, eps, weight_decay, **_):
+        optim = _import("torchao.optim")
+        cls = optim.AdamW8bit if bits == 8 else optim.AdamW4bit
+        return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    return build
+
+
+def _adam_mini(params, model, lr, betas, eps, weight_decay, dim=None, n_heads=None,
+               n_kv_heads=None, **_):
+    mod = _import("adam_mini")
+    kw = {}
+    if dim is not None:
+        kw = dict(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads or n_heads)
+    # Adam-mini reads the module names to find embeddings, heads and attention
+    return mod.Adam_mini(model.named_parameters(), lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, verbose=False, **kw)
+
+
+def _adafactor(params, model, lr, betas, eps, weight_decay, **_):
+    return torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay)
+
+
+def _sm3(params, model, lr, betas, eps, weight_decay, **_):
+    mod = _import("pytorch_optimizer")
+    return mod.SM3(params, lr=lr, momentum=betas[0])
+
+
+PEERS: dict[str, Peer] = {
+    p.name: p
+    for p in (
+        Peer("adamw", "AdamW", True, "torch", _adamw),
+        Peer("gefen8", "Gefen 8-bit", True, "gefen_dist", _gefen(8)),
+        Peer("gefen4", "Gefen 4-bit", True, "gefen_dist", _gefen(4)),
+        Peer("bnb_adamw8bit", "bitsandbytes AdamW8bit", True, "bitsandbytes", _bnb8),
+        Peer("torchao_adamw8bit", "torchao AdamW8bit", True, "torchao", _torchao(8)),
+        Peer("torchao_adamw4bit", "torchao AdamW4bit", True, "torchao", _torchao(4)),
+        Peer("adam_mini", "Adam-mini", True, "adam-mini", _adam_mini),
+        Peer("adafactor", "Adafactor (torch, no momentum)", False, "torch", _adafactor),
+        Peer("sm3", "SM3 (momentum 0.9)", True, "pytorch-optimizer", _sm3),
+    )
+}
+
+
+def build(
+    name: str,
+    model: nn.Module,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    params: Iterable[Any] | None = None,
+    **model_info: Any,
+) -> torch.optim.Optimizer:
+    """Build optimizer ``name`` over ``model``'s trainable parameters.
+
+    ``model_info`` (``dim``, ``n_heads``, ``n_kv_heads``) is what Adam-mini needs to find
+    attention heads; the others ignore it. Raises ``Unavailable`` when the package is missing
+    or the optimizer refuses the model."""
+    if name not in PEERS:
+        raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(PEERS)}")
+    peer = PEERS[name]
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        return peer.build(params, model, lr * peer.lr_scale, tuple(betas), eps, weight_decay,
+                          **model_info)
+    except Unavailable:
+        raise
+    except Exception as e:  # a peer that refuses this model is skipped, with its reason
+        raise Unavailable(f"{peer.label}: {type(e).__name__}: {e}") from e
+
+
+def _import(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except Exception as e:
+        raise Unavailable(f"{module} does not import: {type(e).__name__}: {e}") from e
+
+
+def set_lr(opt: torch.optim.Optimizer, factor: float) -> None:
+    """Set every group's lr to ``factor`` x its initial lr, whether lr is a float or (torchao,
+    Adam-mini) a tensor the optimizer checks stays a tensor."""
+    for g in opt.param_groups:
+        base = g.setdefault("initial_lr", float(g["lr"]))
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(base * factor)
+        else:
+            g["lr"] = base * factor
+
+
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [leaf for n in names for leaf in _leaves(getattr(t, n))]
+    return [t]
+
+
+def _walk(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield from _leaves(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _walk(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _walk(v)
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of storage held by ``opt.state``, every storage counted once."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in _walk(list(opt.state.values())):
+        if t.device.type == "meta":
+            seen[("meta", id(t))] = t.numel() * t.element_size()
+            continue
+        s = t.untyped_storage()
+        key = (str(t.device), s.data_ptr())
+        seen[key] = max(seen.get(key, 0), s.nbytes())
+    return sum(seen.values())
+
+
+def trainable_numel(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
