@@ -1,0 +1,106 @@
+"""Resumable results store: one JSON record per (task, optimizer, seed) run, appended as each
+run finishes, so an interrupted comparison resumes where it stopped.
+
+Versions are never mixed silently. A record is reused only when its key matches: task,
+optimizer, seed, a hash of the settings (sizes, hyperparameters, lr scale) and the code
+revision, which is the last git commit that touched the package's code (``gefen_dist/``,
+results and docs excluded, so committing a report does not invalidate it), marked ``-dirty``
+with a hash of the uncommitted diff when the package has local changes. Records of other
+revisions stay in the file as history; the report is built from the current revision only and
+says how many it left out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+_PKG = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str:
+    try:
+        p = subprocess.run(["git", *args], cwd=_PKG, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return p.stdout.strip() if p.returncode == 0 else ""
+
+
+def revision() -> dict[str, str]:
+    """{'code': revision records are keyed by, 'head': HEAD at run time}."""
+    head = _git("rev-parse", "HEAD")
+    if not head:
+        # not a git checkout: the package's own sources are the revision
+        h = hashlib.sha256()
+        for f in sorted(_PKG.rglob("*.py")):
+            h.update(f.read_bytes())
+        return dict(code="src-" + h.hexdigest()[:12], head="")
+    code = _git("log", "-1", "--format=%H", "--", ".") or head
+    diff = _git("diff", "HEAD", "--", ".")
+    untracked = _git("ls-files", "--others", "--exclude-standard", "--", ".")
+    rev = code[:12]
+    if diff or untracked:
+        h = hashlib.sha256(diff.encode())
+        for name in sorted(untracked.split()):
+            if name.endswith(".py"):
+                h.update(name.encode() + (_PKG / name).read_bytes())
+        rev += "-dirty-" + h.hexdigest()[:8]
+    return dict(code=rev, head=head[:12])
+
+
+def settings_hash(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def key(task: str, optimizer: str, seed: int, settings: dict[str, Any],
+        rev: dict[str, str]) -> str:
+    return f"{task}|{optimizer}|{seed}|{settings_hash(settings)}|{rev['code']}"
+
+
+def record(k: str, task: str, optimizer: str, seed: int, settings: dict[str, Any],
+           rev: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+    import platform
+    import time
+
+    import torch
+
+    return dict(key=k, revision=rev["code"], head=rev["head"], task=task, optimizer=optimizer,
+                seed=seed, settings=settings, settings_hash=settings_hash(settings),
+                torch=torch.__version__, machine=f"{platform.machine()} {platform.system()}",
+                time=time.strftime("%Y-%m-%dT%H:%M:%S"), **body)
+
+
+class Store:
+    """Append-only JSON lines; the last record of a key wins."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self._recs: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    self._recs[r["key"]] = r
+
+    def get(self, k: str) -> dict[str, Any] | None:
+        return self._recs.get(k)
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        self._recs[rec["key"]] = rec
+
+    def records(self) -> list[dict[str, Any]]:
+        return list(self._recs.values())
+
+    def other_revisions(self, rev: dict[str, str]) -> dict[str, int]:
+        """Records left out of a report because another code revision produced them."""
+        out: dict[str, int] = {}
+        for r in self._recs.values():
+            if r["revision"] != rev["code"]:
+                out[r["revision"]] = out.get(r["revision"], 0) + 1
+        return out

@@ -1,0 +1,216 @@
+"""``python -m gefen_dist.bench compare``: every optimizer on every task, same init, data order
+and schedule, one subprocess per run, results kept in a resumable store, then the report.
+
+Why a subprocess per run: one run's leftovers (numba's and torch.compile's caches, torchao's
+compiled graphs, allocator state, a crash) cannot change another's timing or outcome, and a
+peer that segfaults costs only its own row. At most ``--jobs`` (default 2, one per core) run
+at once, each with one torch thread, so step times are comparable within a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from gefen_dist.bench import peers, store, tasks
+
+SMOKE_OPTIMIZERS = ["adamw", "gefen8", "gefen4", "bnb_adamw8bit"]
+"""The smoke run: AdamW, both Gefens and one peer; torchao compiles for ~10 s per process."""
+
+
+def run_one(task: tasks.Task, optimizer: str, seed: int) -> dict[str, Any]:
+    """Train ``optimizer`` on ``task`` for one seed, in this process. Returns the record body
+    (status 'ok', or 'skipped' with the reason when the peer is unavailable)."""
+    import torch
+
+    torch.set_num_threads(1)
+    h = task.hyper
+    inst = tasks.build(task, seed)
+    model = inst.model
+    try:
+        opt = peers.build(optimizer, model, h.lr, betas=h.betas, weight_decay=h.weight_decay,
+                          **inst.model_info)
+    except peers.Unavailable as e:
+        return dict(status="skipped", reason=str(e))
+    eval_at = {max(1, round(h.steps * (i + 1) / h.evals)) for i in range(h.evals)}
+    curve = [dict(step=0, **inst.evaluate(model))]
+    step_ms: list[float] = []
+    window: list[float] = []
+    for step in range(1, h.steps + 1):
+        peers.set_lr(opt, tasks.lr_factor(step - 1, h))
+        t0 = time.perf_counter()
+        loss = inst.loss(model, next(inst.batches))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), h.grad_clip)
+        opt.step()
+        window.append(loss.item())
+        step_ms.append(1000 * (time.perf_counter() - t0))
+        if not all(map(_finite, window[-1:])):
+            return dict(status="failed", reason=f"loss became {window[-1]} at step {step}",
+                        curve=curve)
+        if step in eval_at:
+            curve.append(dict(step=step, train_loss=sum(window) / len(window),
+                              **inst.evaluate(model)))
+            window = []
+    n = peers.trainable_numel(model)
+    sb = peers.state_bytes(opt)
+    rec: dict[str, Any] = dict(
+        status="ok", curve=curve, final=dict(curve[-1]), state_bytes=sb, params=n,
+        bytes_per_param=sb / n, step_ms_median=statistics.median(step_ms[1:] or step_ms),
+        step_ms_first=step_ms[0],
+    )
+    if hasattr(opt, "memory_report"):
+        rep = opt.memory_report()
+        rec["gefen"] = dict(
+            bytes_per_param=rep["bytes_per_param"], fallback_numel=rep["fallback_numel"],
+            backend=rep["backend"],
+            tensors=[dict(name=t["name"], shape=list(t["shape"]), numel=t["numel"],
+                          block_sizes=t["block_sizes"], fallback_numel=t["fallback_numel"],
+                          state_bytes=t["state_bytes"]) for t in rep["tensors"]],
+        )
+    return rec
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def _worker(argv: list[str]) -> None:
+    """Subprocess entry: read the job, run it, write the record body as JSON."""
+    job_path, out_path = argv
+    job = json.loads(Path(job_path).read_text())
+    task = tasks.Task(**{**job["task"], "hyper": tasks.Hyper(**job["task"]["hyper"])})
+    try:
+        body = run_one(task, job["optimizer"], job["seed"])
+    except Exception as e:  # the report lists a crashing peer with its reason
+        body = dict(status="failed", reason=f"{type(e).__name__}: {e}",
+                    traceback=traceback.format_exc()[-3000:])
+    Path(out_path).write_text(json.dumps(body))
+
+
+def _spawn(task: tasks.Task, optimizer: str, seed: int, timeout: float) -> dict[str, Any]:
+    job = dict(task=dict(name=task.name, label=task.label, kind=task.kind,
+                         hyper=_asdict(task.hyper), sizes=task.sizes),
+               optimizer=optimizer, seed=seed)
+    with tempfile.TemporaryDirectory(prefix="gefen_bench_") as d:
+        jp, op = Path(d, "job.json"), Path(d, "out.json")
+        jp.write_text(json.dumps(job))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        try:
+            p = subprocess.run([sys.executable, "-m", "gefen_dist.bench.suite", "--worker",
+                                str(jp), str(op)], capture_output=True, text=True,
+                               timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return dict(status="failed", reason=f"timed out after {timeout:.0f} s")
+        if op.exists():
+            return json.loads(op.read_text())
+        return dict(status="failed", reason=f"worker exited {p.returncode}: "
+                    + (p.stderr.strip().splitlines() or ["no output"])[-1][-300:])
+
+
+def _asdict(h: tasks.Hyper) -> dict:
+    from dataclasses import asdict
+
+    return asdict(h)
+
+
+def settings_of(task: tasks.Task, optimizer: str) -> dict[str, Any]:
+    """What a stored record must match to be reused: the task's sizes and hyperparameters and
+    the peer's lr scale."""
+    return dict(task.settings(), lr_scale=peers.PEERS[optimizer].lr_scale)
+
+
+def compare(out: Path, task_names: list[str], optimizers: list[str], seeds: list[int],
+            scale: float = 1.0, jobs: int = 2, store_path: Path | None = None,
+            timeout: float = 900.0, quiet: bool = False, cmd: str = "") -> Path:
+    """Run every missing (task, optimizer, seed), append each to the store as it finishes,
+    then write the report into ``out``. Returns the report path."""
+    from gefen_dist.bench import report
+
+    out.mkdir(parents=True, exist_ok=True)
+    st = store.Store(store_path or out / "runs.jsonl")
+    rev = store.revision()
+    todo = []
+    chosen = [tasks.scaled(tasks.TASKS[t], scale) for t in task_names]
+    for task in chosen:
+        for opt in optimizers:
+            for seed in seeds:
+                key = store.key(task.name, opt, seed, settings_of(task, opt), rev)
+                if st.get(key) is None:
+                    todo.append((task, opt, seed, key))
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    say(f"revision {rev['code']}: {len(todo)} runs to do, "
+        f"{len(chosen) * len(optimizers) * len(seeds) - len(todo)} reused from {st.path}")
+    t_start = time.time()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futs = {pool.submit(_spawn, t, o, s, timeout): (t, o, s, k) for t, o, s, k in todo}
+        for i, fut in enumerate(as_completed(futs), 1):
+            task, opt, seed, key = futs[fut]
+            body = fut.result()
+            st.add(store.record(key, task.name, opt, seed, settings_of(task, opt), rev, body))
+            fin = body.get("final", {})
+            say(f"[{i}/{len(todo)} {time.time() - t_start:6.0f}s] {task.name:7s} {opt:18s} "
+                f"seed {seed}: {body['status']} "
+                + (f"val_loss {fin['val_loss']:.4f} {body['bytes_per_param']:.2f} B/param "
+                   f"{body['step_ms_median']:.1f} ms" if body["status"] == "ok"
+                   else body.get("reason", "")[:160]))
+    rows = [st.get(store.key(t.name, o, s, settings_of(t, o), rev))
+            for t in chosen for o in optimizers for s in seeds]
+    ignored = st.other_revisions(rev)
+    wall = (f"This invocation ran {len(todo)} run(s) in {time.time() - t_start:.0f} s"
+            f" and reused {len(rows) - len(todo)}.")
+    return report.write(out, [r for r in rows if r], chosen, optimizers, rev, ignored, cmd, wall)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("results/bench"))
+    p.add_argument("--store", type=Path, default=None,
+                   help="JSONL store (default OUT/runs.jsonl); done runs are skipped")
+    p.add_argument("--tasks", default=",".join(tasks.TASKS))
+    p.add_argument("--optimizers", default=None, help="comma list (default: all peers)")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--jobs", type=int, default=2, help="runs at once (one per core)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every task's steps")
+    p.add_argument("--smoke", action="store_true",
+                   help="1 seed, 3 %% of the steps, 4 optimizers: an end-to-end check (<2 min)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m gefen_dist.bench compare", description=__doc__)
+    add_arguments(p)
+    a = p.parse_args(argv)
+    opts = a.optimizers.split(",") if a.optimizers else list(peers.PEERS)
+    seeds, scale = a.seeds, a.scale
+    if a.smoke:
+        seeds, scale = 1, min(scale, 0.03)
+        opts = [o for o in opts if o in SMOKE_OPTIMIZERS] if not a.optimizers else opts
+    unknown = [o for o in opts if o not in peers.PEERS]
+    if unknown:
+        p.error(f"unknown optimizers {unknown}; known: {', '.join(peers.PEERS)}")
+    names = a.tasks.split(",")
+    bad = [t for t in names if t not in tasks.TASKS]
+    if bad:
+        p.error(f"unknown tasks {bad}; known: {', '.join(tasks.TASKS)}")
+    cmd = "python -m gefen_dist.bench compare " + " ".join(sys.argv[1:] if argv is None else argv)
+    path = compare(a.out, names, opts, list(range(seeds)), scale, a.jobs, a.store, a.timeout,
+                   cmd=cmd.strip())
+    print(f"report: {path}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[2:])
+    else:
+        main(sys.argv[1:])
