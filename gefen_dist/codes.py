@@ -8,6 +8,9 @@ native kernels must do the same to match the reference bit for bit.
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 
 
@@ -57,3 +60,24 @@ def write_codes(codes: torch.Tensor, a: int, b: int, new: torch.Tensor, bits: in
     merged = unpack4(codes[lo:hi], 2 * (hi - lo))
     merged[a - 2 * lo : b - 2 * lo] = new
     codes[lo:hi] = pack4(merged)
+
+
+_TABLES: dict[tuple[int, int], tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def _forget(key: tuple[int, int], _ref: weakref.ref) -> None:
+    _TABLES.pop(key, None)
+
+
+def nearest_table(mids: torch.Tensor, cells: int) -> torch.Tensor:
+    """For cell c of a uniform grid of ``cells`` over [-1, 1], how many midpoints lie below its
+    left edge (int32): where a native kernel starts looking for the nearest level, so it needs a
+    step or two instead of a binary search. Cached per midpoints tensor while it lives."""
+    key = (id(mids), cells)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0]() is mids:
+        return hit[1]
+    edges = torch.linspace(-1.0, 1.0, cells + 1, dtype=torch.float64)[:-1]
+    table = torch.searchsorted(mids.double().contiguous(), edges).to(torch.int32)
+    _TABLES[key] = (weakref.ref(mids, functools.partial(_forget, key)), table)
+    return table

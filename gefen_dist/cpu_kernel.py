@@ -20,6 +20,7 @@ import numba
 import numpy as np
 import torch
 
+from .codes import nearest_table
 from .reference import Hyper, SegmentState
 
 
@@ -41,8 +42,25 @@ def _put(codes, i, c, four):
         codes[i >> 1] = np.uint8((np.int64(codes[i >> 1]) & 240) | c)
 
 
+LUT_CELLS = 4096
+
+
+@numba.njit(cache=True, inline="always")
+def _nearest(x, mids, lut):
+    """Index of the first midpoint >= x: the nearest level, ties to the lower one."""
+    c = int(math.floor((np.float64(x) + 1.0) * (LUT_CELLS / 2)))
+    c = min(max(c, 0), LUT_CELLS - 1)
+    k = np.int64(lut[c])
+    n = mids.shape[0]
+    while k < n and mids[k] < x:
+        k += 1
+    while k > 0 and mids[k - 1] >= x:
+        k -= 1
+    return k
+
+
 @numba.njit(cache=True)
-def _one_block(j, p, g, codes, absmax, v, levels, mids, start, block, four, h):
+def _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h):
     b1, w, b2, a2, decay, neg_step, bc2, eps = h
     n = p.shape[0]
     b0 = start // block
@@ -67,19 +85,19 @@ def _one_block(j, p, g, codes, absmax, v, levels, mids, start, block, four, h):
     for i in range(lo, hi):
         m = levels[_get(codes, i, four)] * old
         m = m + w * (g[i] - m)
-        _put(codes, i, np.int64(np.searchsorted(mids, m / scale)), four)
+        _put(codes, i, _nearest(m / scale, mids, lut), four)
 
 
 @numba.njit(cache=True, parallel=True)
-def _blocks_parallel(p, g, codes, absmax, v, levels, mids, start, block, four, h):
+def _blocks_parallel(p, g, codes, absmax, v, levels, mids, lut, start, block, four, h):
     for j in numba.prange(absmax.shape[0]):
-        _one_block(j, p, g, codes, absmax, v, levels, mids, start, block, four, h)
+        _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h)
 
 
 @numba.njit(cache=True)
-def _blocks_serial(p, g, codes, absmax, v, levels, mids, start, block, four, h):
+def _blocks_serial(p, g, codes, absmax, v, levels, mids, lut, start, block, four, h):
     for j in range(absmax.shape[0]):
-        _one_block(j, p, g, codes, absmax, v, levels, mids, start, block, four, h)
+        _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h)
 
 
 def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
@@ -116,6 +134,7 @@ def block_update(
         st.v.numpy(),
         levels.numpy(),
         mids.numpy(),
+        nearest_table(mids, LUT_CELLS).numpy(),
         st.start,
         st.block_size,
         four,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
+import warnings
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -24,15 +25,17 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from . import codebook as cb
-from . import partition, sharding, state
+from . import native_cpu, native_cuda, partition, sharding, state
 from .codes import midpoints
 from .reference import CHUNK, Hyper, block_update, dense_update
 from .segments import Segment, block_chunks, block_runs
 
 try:
     from . import cpu_kernel
-except ImportError:  # numba missing or broken: the reference update serves everywhere
+except ImportError:  # numba missing or broken: the C++ kernel or the reference serves
     cpu_kernel = None
+
+BACKENDS = ("auto", "native", "numba", "reference")
 
 DEFAULT_BITS = 4
 """Measured on the demo GPT (4 layers, d=256, stdlib source), 1000 steps, 3 paired seeds vs
@@ -80,6 +83,7 @@ class Gefen(Optimizer):
         self._initialized = False
         self._display: dict[torch.Tensor, str] = {}
         self._backend = "auto"
+        self._warned: set[str] = set()
         self._views: dict[torch.Tensor, tuple] = {}
         self._pending_install: list[tuple[torch.Tensor, dict]] = []
         super().__init__(params, defaults)
@@ -239,6 +243,7 @@ class Gefen(Optimizer):
         # wrappers (ZeRO) may show one param group per call: registered buffers count too
         known = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._initialized = all(self.state.get(p) for p in known + list(self._segments))
+        cuda_work: list[tuple] = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -260,31 +265,72 @@ class Gefen(Optimizer):
                 flat_g = _flat(sharding.local(p.grad), p, self)
                 if group["maximize"]:
                     flat_g = -flat_g
+                impl = self._impl(flat_p, flat_g)
                 for offset, seg in views:
                     ps = flat_p[offset : offset + seg.numel]
                     gs = flat_g[offset : offset + seg.numel]
-                    if seg.block_size == 1:
-                        dense_update(ps, gs, seg, h)
-                    elif self._native(ps, gs):
+                    if impl == "cuda":
+                        cuda_work.append((ps, gs, seg, h, levels, mids, bits))
+                    elif seg.block_size == 1:
+                        (native_cpu.dense_update if impl == "cpu" else dense_update)(ps, gs, seg, h)
+                    elif impl == "cpu":
+                        native_cpu.block_update(ps, gs, seg, h, levels, mids, bits)
+                    elif impl == "numba":
                         cpu_kernel.block_update(ps, gs, seg, h, levels, mids, bits)
                     else:
                         block_update(ps, gs, seg, h, levels, mids, bits)
+        for device in {w[0].device for w in cuda_work}:
+            native_cuda.step([w for w in cuda_work if w[0].device == device])
         return loss
 
     @property
     def backend(self) -> str:
-        """'auto' (numba on fp32 CPU tensors, the reference elsewhere), 'numba' or 'reference'.
-
-        Settable, e.g. ``opt.backend = "reference"`` to run the readable spec."""
+        """Which update runs: 'auto' (the native kernels: C++ on CPU tensors, CUDA on GPU ones;
+        numba on CPU where no C++ compiler is found; the reference where nothing native serves),
+        'native', 'numba' or 'reference' (the readable spec). ``memory_report()['backend']``
+        says what actually ran. Settable, e.g. ``opt.backend = "reference"``."""
         return self._backend
 
     @backend.setter
     def backend(self, name: str) -> None:
-        if name not in ("auto", "numba", "reference"):
-            raise ValueError(f"Invalid backend: {name!r} (auto, numba or reference)")
+        if name not in BACKENDS:
+            raise ValueError(f"Invalid backend: {name!r} ({', '.join(BACKENDS)})")
         if name == "numba" and cpu_kernel is None:
             raise ValueError("backend='numba' needs numba, which failed to import")
         self._backend = name
+
+    def _impl(self, p: torch.Tensor, g: torch.Tensor) -> str:
+        """'cpu' (C++), 'cuda', 'numba' or 'reference' for a parameter and its gradient."""
+        b = self._backend
+        if b == "reference":
+            return "reference"
+        if p.device.type == "cuda" and b in ("auto", "native") and native_cuda.supports(p, g):
+            if native_cuda.available():
+                return "cuda"
+            self._unavailable("CUDA", native_cuda.build_error())
+        if p.device.type == "cpu" and b in ("auto", "native") and native_cpu.supports(p, g):
+            if native_cpu.available():
+                return "cpu"
+            self._unavailable("C++ CPU", native_cpu.build_error())
+        if b in ("auto", "numba") and cpu_kernel is not None and cpu_kernel.supports(p, g):
+            return "numba"
+        if b in ("native", "numba"):
+            raise RuntimeError(
+                f"backend={b!r} cannot update {self._name(p)} ({p.device.type}, {p.dtype}, "
+                f"grad {g.dtype})"
+            )
+        return "reference"
+
+    def _unavailable(self, what: str, why: str | None) -> None:
+        if self._backend == "native":
+            raise RuntimeError(f"backend='native': the {what} kernels are unavailable: {why}")
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(
+                f"Gefen: the {what} kernels are unavailable ({why}); running the slower "
+                "fallback. opt.memory_report()['backend'] shows which update runs.",
+                stacklevel=3,
+            )
 
     def _prepared(self, p: torch.Tensor, st: dict) -> tuple:
         """Codebook, its midpoints and the per-segment views of ``st``, computed once per state
@@ -295,11 +341,6 @@ class Gefen(Optimizer):
             hit = (st["codes"], levels, midpoints(levels), state.segment_views(st))
             self._views[p] = hit
         return hit[1], hit[2], hit[3]
-
-    def _native(self, p: torch.Tensor, g: torch.Tensor) -> bool:
-        if self._backend == "reference" or cpu_kernel is None:
-            return False
-        return cpu_kernel.supports(p, g)
 
     def _initialize(self, pending: list[tuple[torch.Tensor, dict]]) -> None:
         """Partition newly seen parameters; learn the codebooks if this is the first time."""
@@ -420,11 +461,14 @@ class Gefen(Optimizer):
         )
 
     def _backend_in_use(self) -> str:
+        names = {"cpu": "native-cpu", "cuda": "native-cuda", "numba": "numba",
+                 "reference": "reference"}
         used = set()
         for p, st in self.state.items():
             if st:
-                native = self._native(sharding.local(p), sharding.local(p))
-                used.add("numba" if native else "reference")
+                local = sharding.local(p)
+                g = sharding.local(p.grad) if p.grad is not None else local
+                used.add(names[self._impl(local, g)])
         return "+".join(sorted(used)) or self._backend
 
     def _segments_for(self, p: torch.Tensor) -> list[Segment]:
@@ -505,6 +549,13 @@ def _histogram(
     """Add block-normalised values g / absmax(block) of one segment to ``counts``; ``cut`` gives
     the whole-block absmax of blocks that a shard boundary cuts."""
     if block_size == 1:
+        return
+    if g.is_cuda and g.dtype in native_cuda.DTYPES and native_cuda.available():
+        head, tail = seg.start // block_size, (seg.start + seg.numel - 1) // block_size
+        dev = torch.zeros(counts.numel(), dtype=torch.int64, device=g.device)
+        native_cuda.histogram(g.contiguous(), seg.start, block_size, cut.get(head, -1.0),
+                              cut.get(tail, -1.0), dev)
+        counts += dev.cpu().to(torch.float64)
         return
     for c in block_chunks(seg.start, seg.numel, block_size, CHUNK):
         x = g[c.elem : c.end].float().view(c.rows, c.length)

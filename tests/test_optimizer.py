@@ -290,14 +290,15 @@ def test_zero_one_prime_and_empty_tensors_work():
     assert int(opt.state[ps[3]]["layout"][0, 3]) == 1  # all-zero g0 carries no structure
 
 
+@pytest.mark.parametrize("backend", ["reference", "native"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_params_keep_fp32_state_and_round_once(dtype):
+def test_low_precision_params_keep_fp32_state_and_round_once(dtype, backend):
     """A step on a bf16/fp16 parameter is the fp32 step rounded once, not low-precision maths."""
     torch.manual_seed(0)
     lo = torch.randn(128, 96).to(dtype).requires_grad_()
     hi = lo.detach().float().requires_grad_()
     o_lo, o_hi = Gefen([lo], lr=1e-2, bits=4), Gefen([hi], lr=1e-2, bits=4)
-    o_hi.backend = "reference"  # the bf16/fp16 parameter runs the reference too
+    o_lo.backend = o_hi.backend = backend
     g = _row_grad((128, 96), 0).to(dtype)
     lo.grad, hi.grad = g, g.float()
     o_lo.step()

@@ -1,0 +1,197 @@
+"""Time one optimizer step on the CPU, Gefen against fused AdamW and the low-bit peers.
+
+Each optimizer runs in its own subprocess (so one's allocations and thread pools cannot slow
+another), on the same parameters and gradients, and reports the median step time and the peak
+memory the step allocates beyond the state: the process's peak RSS is reset
+(/proc/self/clear_refs) after warm-up steps have allocated the state, and the timed steps' peak is
+read back (VmHWM) minus the RSS before them.
+
+Parameter sets:
+- ``gpt``: the demo GPT's parameters (4 layers, d=256, 3.24M) with the gradient of one real
+  batch of the stdlib corpus, so Gefen's partition is the one training would get.
+- ``100m``: 24 matrices of 2048 x 2048 (100.7M), gradients N(0, 1) times a per-row scale
+  (log-normal), the structure Gefen's partition finds in linear layers (one block per row).
+
+    python benchmarks/step_speed.py [--sets gpt,100m] [--steps 20] [--threads 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+OPTIMIZERS = {
+    "adamw_fused": "torch AdamW fused",
+    "adamw_foreach": "torch AdamW foreach",
+    "gefen4": "Gefen 4-bit",
+    "gefen8": "Gefen 8-bit",
+    "bnb_adamw8bit": "bitsandbytes AdamW8bit",
+    "torchao_adamw8bit": "torchao AdamW8bit",
+    "torchao_adamw4bit": "torchao AdamW4bit",
+}
+
+
+def make_params(which: str) -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    if which == "gpt":
+        from gefen_dist.corpus import get_batch, load_corpus
+        from gefen_dist.model import GPT, GPTConfig
+
+        model = GPT(GPTConfig())
+        train, _ = load_corpus(2**20)
+        x, y = get_batch(train, 8, 128, torch.Generator().manual_seed(0))
+        model(x, y)[1].backward()
+        return list(model.parameters())
+    if which == "100m":
+        params = []
+        for _ in range(24):
+            p = torch.nn.Parameter(torch.randn(2048, 2048) * 0.02)
+            p.grad = torch.randn(2048, 2048) * torch.randn(2048, 1).exp()
+            params.append(p)
+        return params
+    raise ValueError(f"unknown parameter set {which!r}")
+
+
+def build(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    if name == "adamw_fused":
+        return torch.optim.AdamW(params, fused=True, **kw)
+    if name == "adamw_foreach":
+        return torch.optim.AdamW(params, foreach=True, **kw)
+    from gefen_dist.bench import peers
+
+    return peers.build(name, torch.nn.Module(), params=params, **kw)
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def child(name: str, which: str, steps: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    params = make_params(which)
+    numel = sum(p.numel() for p in params)
+    try:
+        opt = build(name, params)
+    except Exception as e:
+        return dict(optimizer=name, set=which, skipped=f"{type(e).__name__}: {e}")
+    for _ in range(3):  # state allocation, codebook, numba/torch.compile warm-up
+        opt.step()
+    before = _rss("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    extra = _rss("VmHWM") - before
+    from gefen_dist.bench.peers import state_bytes
+
+    out = dict(
+        optimizer=name,
+        set=which,
+        params=numel,
+        median_ms=1e3 * statistics.median(times),
+        min_ms=1e3 * min(times),
+        extra_mib=max(extra, 0) / 2**20,
+        state_bytes_per_param=state_bytes(opt) / numel,
+    )
+    if hasattr(opt, "memory_report"):
+        out["backend"] = opt.memory_report()["backend"]
+    return out
+
+
+def run_child(name: str, which: str, steps: int, threads: int) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        name,
+        "--sets",
+        which,
+        "--steps",
+        str(steps),
+        "--threads",
+        str(threads),
+    ]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return dict(optimizer=name, set=which, skipped=f"exit {r.returncode}: {r.stderr[-300:]}")
+
+
+def table(rows: list[dict]) -> str:
+    out = [
+        "| set | optimizer | median step | x fused AdamW | extra memory | state B/param |",
+        "|---|---|---|---|---|---|",
+    ]
+    for which in dict.fromkeys(r["set"] for r in rows):
+        ref = next(
+            (
+                r
+                for r in rows
+                if r["set"] == which and r["optimizer"] == "adamw_fused" and "median_ms" in r
+            ),
+            None,
+        )
+        for r in (r for r in rows if r["set"] == which):
+            label = OPTIMIZERS.get(r["optimizer"], r["optimizer"])
+            if "skipped" in r:
+                out.append(f"| {which} | {label} | skipped: {r['skipped'][:80]} | | | |")
+                continue
+            if r.get("backend"):
+                label += f" ({r['backend']})"
+            ratio = f"{r['median_ms'] / ref['median_ms']:.2f}x" if ref else "-"
+            out.append(
+                f"| {which} | {label} | {r['median_ms']:.1f} ms | {ratio} | "
+                f"{r['extra_mib']:.1f} MiB | {r['state_bytes_per_param']:.3f} |"
+            )
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sets", default="gpt,100m")
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child")
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child, a.sets, a.steps, a.threads)))
+        return
+    rows = []
+    for which in a.sets.split(","):
+        for name in a.optimizers.split(","):
+            rows.append(run_child(name, which, a.steps, a.threads))
+            print(json.dumps(rows[-1]), flush=True)
+    meta = dict(
+        torch=torch.__version__, threads=a.threads, cpus=os.cpu_count(), command=" ".join(sys.argv)
+    )
+    print(table(rows))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

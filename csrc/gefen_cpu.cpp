@@ -1,0 +1,293 @@
+// Gefen's update on the CPU: one segment per call, blocks spread over OpenMP threads.
+//
+// The arithmetic is gefen_dist/reference.py's, in its fp32 order of operations, with two
+// stated differences: the block mean of g^2 is accumulated in double (torch sums fp32 in its own
+// order), and nothing else is reordered (built without -ffast-math and with -ffp-contract=off,
+// so no FMA changes a rounding). Per block: one read of g for v, one pass that moves the
+// parameter and finds the new absmax, one pass that writes the codes; no temporaries.
+//
+// Plain C ABI (loaded with ctypes by gefen_dist/native_cpu.py), so the library builds in a
+// second with the system compiler and does not depend on torch's C++ ABI.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+constexpr int kLutCells = 8192;
+
+struct Hyper {
+  float beta1, w, beta2, a2, decay, neg_step, bc2, eps;
+};
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load(const void* base, int64_t i, int dt) {
+  switch (dt) {
+    case BF16: return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+    case F16: return static_cast<float>(static_cast<const _Float16*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+inline void store(void* base, int64_t i, float x, int dt) {
+  switch (dt) {
+    case BF16: static_cast<uint16_t*>(base)[i] = f32_to_bf16(x); break;
+    case F16: static_cast<_Float16*>(base)[i] = static_cast<_Float16>(x); break;
+    default: static_cast<float*>(base)[i] = x;
+  }
+}
+
+// torch's lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w)
+inline float lerp(float start, float end, float w) {
+  return w < 0.5f ? start + w * (end - start) : end - (end - start) * (1.0f - w);
+}
+
+inline int get_code(const uint8_t* codes, int64_t i, bool four) {
+  if (!four) return codes[i];
+  const int b = codes[i >> 1];
+  return (i & 1) ? (b >> 4) : (b & 15);
+}
+
+inline void put_code(uint8_t* codes, int64_t i, int c, bool four) {
+  if (!four) {
+    codes[i] = static_cast<uint8_t>(c);
+  } else if (i & 1) {
+    codes[i >> 1] = static_cast<uint8_t>((codes[i >> 1] & 15) | (c << 4));
+  } else {
+    codes[i >> 1] = static_cast<uint8_t>((codes[i >> 1] & 240) | c);
+  }
+}
+
+// Index of the first midpoint >= x: the nearest level, ties to the lower one. ``mp`` is the
+// midpoints with -inf in front and +inf behind (mp[k + 1] = mids[k]); the lookup table gives, per
+// cell of a uniform grid over [-1, 1], how many midpoints lie below the cell's left edge. One step
+// each way reaches the answer whenever a cell holds at most one midpoint (the table is built that
+// fine); ``exact`` walks any distance, for the rare value that needs more.
+inline int nearest_fast(float x, const float* mp, const int32_t* lut) {
+  // x is in [-1, 1]: truncation is floor; rounding may pick a neighbouring cell, which the
+  // check after the steps catches
+  int c = static_cast<int>((x + 1.0f) * static_cast<float>(kLutCells / 2));
+  c = std::min(std::max(c, 0), kLutCells - 1);
+  int k = lut[c];
+  k += mp[k + 1] < x;
+  k -= mp[k] >= x;
+  return k;
+}
+
+inline int nearest_exact(float x, const float* mp, int n_mids, int k) {
+  while (k < n_mids && mp[k + 1] < x) ++k;
+  while (k > 0 && mp[k] >= x) --k;
+  return k;
+}
+
+template <int PT, int GT>
+void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax, float* v,
+               const float* levels, const float* mp, int n_mids, const int32_t* lut,
+               int64_t start, int64_t numel, int64_t block, bool four, const Hyper& h,
+               float* buf, int32_t* idx) {
+  const int64_t b0 = start / block;
+  const int64_t lo = std::max((b0 + j) * block, start) - start;
+  const int64_t hi = std::min((b0 + j + 1) * block, start + numel) - start;
+  const int64_t n = hi - lo;
+  double s = 0.0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = lo; i < hi; ++i) {
+    const double x = load(g, i, GT);
+    s += x * x;
+  }
+  const float mean = static_cast<float>(s / static_cast<double>(n));
+  const float vj = v[j] * h.beta2 + h.a2 * mean;
+  v[j] = vj;
+  const float denom = std::sqrt(vj) / h.bc2 + h.eps;
+  const float old = absmax[j];
+  if (four) {
+    float l16[16];
+    for (int t = 0; t < 16; ++t) l16[t] = levels[t];
+    int64_t i = lo;
+    if (i & 1) buf[0] = l16[get_code(codes, i++, true)];
+    const uint8_t* c = codes + (i >> 1);
+    const int64_t pairs = (hi - i) / 2;
+    float* out = buf + (i - lo);
+#pragma omp simd
+    for (int64_t q = 0; q < pairs; ++q) {
+      out[2 * q] = l16[c[q] & 15];
+      out[2 * q + 1] = l16[c[q] >> 4];
+    }
+    i += 2 * pairs;
+    if (i < hi) buf[i - lo] = l16[get_code(codes, i, true)];
+  } else {
+    const uint8_t* c = codes + lo;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) buf[i] = levels[c[i]];
+  }
+  float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < n; ++i) {
+    float m = buf[i] * old;
+    m = lerp(m, load(g, lo + i, GT), h.w);
+    buf[i] = m;
+    const float pi = load(p, lo + i, PT) * h.decay;
+    store(p, lo + i, pi + h.neg_step * (m / denom), PT);
+    amax = std::max(amax, std::fabs(m));
+  }
+  absmax[j] = amax;
+  const float scale = amax > 0.0f ? amax : 1.0f;
+  if (four) {
+    // 15 midpoints: counting those below x is exact and vectorises, no table needed
+    float m15[15];
+    for (int t = 0; t < 15; ++t) m15[t] = mp[t + 1];
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = buf[i] / scale;
+      int k = 0;
+#pragma GCC unroll 15
+      for (int t = 0; t < 15; ++t) k += m15[t] < x;
+      idx[i] = k;
+    }
+  } else {
+    int bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = buf[i] / scale;
+      const int k = nearest_fast(x, mp, lut);
+      idx[i] = k;
+      bad |= !(mp[k] < x && mp[k + 1] >= x);
+    }
+    if (bad) {
+      for (int64_t i = 0; i < n; ++i) idx[i] = nearest_exact(buf[i] / scale, mp, n_mids, idx[i]);
+    }
+  }
+  if (!four) {
+    uint8_t* c = codes + lo;
+    for (int64_t i = 0; i < n; ++i) c[i] = static_cast<uint8_t>(idx[i]);
+    return;
+  }
+  int64_t i = lo;
+  if (i & 1) put_code(codes, i++, idx[0], true);
+  for (; i + 1 < hi; i += 2)
+    codes[i >> 1] = static_cast<uint8_t>(idx[i - lo] | (idx[i + 1 - lo] << 4));
+  if (i < hi) put_code(codes, i, idx[i - lo], true);
+}
+
+template <int PT, int GT>
+void blocks(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
+            const float* levels, const float* mids, int n_mids, const int32_t* lut, int64_t start,
+            int64_t numel, int64_t block, bool four, const Hyper& h, int threads) {
+  if (numel == 0) return;
+  const int64_t nb = (start + numel - 1) / block - start / block + 1;
+  // at 4 bits two blocks share a byte when a boundary falls on an odd element: run in order
+  const bool serial = four && ((block & 1) || (start & 1));
+  std::vector<float> mp(n_mids + 2);
+  mp[0] = -INFINITY;
+  std::copy(mids, mids + n_mids, mp.begin() + 1);
+  mp[n_mids + 1] = INFINITY;
+  const int64_t width = std::min(block, numel + 1);
+#pragma omp parallel num_threads(serial ? 1 : std::max(threads, 1))
+  {
+    std::vector<float> buf(width);
+    std::vector<int32_t> idx(width);
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < nb; ++j)
+      one_block<PT, GT>(j, p, g, codes, absmax, v, levels, mp.data(), n_mids, lut, start, numel,
+                        block, four, h, buf.data(), idx.data());
+  }
+}
+
+template <int PT, int GT>
+void dense(void* p, const void* g, float* m, float* v, int64_t n, const Hyper& h, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 32768)
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = load(g, i, GT);
+    const float pi = load(p, i, PT) * h.decay;
+    const float mi = lerp(m[i], gi, h.w);
+    const float vi = v[i] * h.beta2 + h.a2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi) / h.bc2 + h.eps;
+    store(p, i, pi + h.neg_step * (mi / denom), PT);
+  }
+}
+
+using BlocksFn = void (*)(void*, const void*, uint8_t*, float*, float*, const float*,
+                          const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
+                          const Hyper&, int);
+using DenseFn = void (*)(void*, const void*, float*, float*, int64_t, const Hyper&, int);
+
+template <template <int, int> class K, typename Fn>
+Fn pick(int pt, int gt);
+
+template <int PT, int GT>
+struct BlocksK {
+  static constexpr BlocksFn fn = &blocks<PT, GT>;
+};
+template <int PT, int GT>
+struct DenseK {
+  static constexpr DenseFn fn = &dense<PT, GT>;
+};
+
+template <template <int, int> class K, typename Fn>
+Fn pick(int pt, int gt) {
+  static const Fn table[3][3] = {
+      {K<0, 0>::fn, K<0, 1>::fn, K<0, 2>::fn},
+      {K<1, 0>::fn, K<1, 1>::fn, K<1, 2>::fn},
+      {K<2, 0>::fn, K<2, 1>::fn, K<2, 2>::fn},
+  };
+  if (pt < 0 || pt > 2 || gt < 0 || gt > 2) return nullptr;
+  return table[pt][gt];
+}
+
+}  // namespace
+
+extern "C" {
+
+int gefen_cpu_lut_cells() { return kLutCells; }
+
+// hyper: beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t),
+//        sqrt(1 - beta2^t), eps. Returns 0, or -1 for an unsupported dtype.
+int gefen_cpu_block_update(void* p, int p_dtype, const void* g, int g_dtype, uint8_t* codes,
+                           float* absmax, float* v, const float* levels, const float* mids,
+                           int n_mids, const int32_t* lut, int64_t start, int64_t numel,
+                           int64_t block, int bits, const float* hyper, int threads) {
+  const BlocksFn fn = pick<BlocksK, BlocksFn>(p_dtype, g_dtype);
+  if (!fn || block < 1 || (bits != 4 && bits != 8)) return -1;
+  Hyper h;
+  std::memcpy(&h, hyper, sizeof(Hyper));
+  fn(p, g, codes, absmax, v, levels, mids, n_mids, lut, start, numel, block, bits == 4, h,
+     threads);
+  return 0;
+}
+
+int gefen_cpu_dense_update(void* p, int p_dtype, const void* g, int g_dtype, float* exp_avg,
+                           float* exp_avg_sq, int64_t numel, const float* hyper, int threads) {
+  const DenseFn fn = pick<DenseK, DenseFn>(p_dtype, g_dtype);
+  if (!fn) return -1;
+  Hyper h;
+  std::memcpy(&h, hyper, sizeof(Hyper));
+  fn(p, g, exp_avg, exp_avg_sq, numel, h, threads);
+  return 0;
+}
+
+}  // extern "C"

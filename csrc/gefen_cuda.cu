@@ -1,0 +1,336 @@
+// Gefen's update on CUDA: every segment of a step in a few launches (one per team width for the
+// blocked segments, one for the B = 1 segments), the arithmetic of gefen_dist/reference.py.
+//
+// A team (a warp, or a whole thread block for long blocks) owns one Gefen block: it sums g^2 in
+// double, updates v, moves the parameter with the unquantised m while reducing the new absmax,
+// then requantises m to the nearest level (first midpoint >= x: ties to the lower level, as the
+// reference). The codebook and its midpoints sit in shared memory. A block may be any length:
+// teams stride over it, reading g and the old codes twice instead of holding m.
+//
+// 4-bit codes: two per byte, low nibble first, each segment from a byte boundary. A byte whose
+// other nibble belongs to another block (a boundary on an odd element) is written with a
+// compare-and-swap on its aligned 32-bit word, so neighbouring teams never lose each other's
+// nibble; every other byte has a single writer.
+//
+// Differences from the reference, bounded by the tests: the sums run in another order (v within
+// a few ulp), and nvcc may contract a multiply-add (-fmad), off by default in the build flags.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "gefen_cuda.h"
+
+namespace gefen {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxLevels = 256;
+
+__device__ __forceinline__ float load(const void* base, int64_t i, int dt) {
+  switch (dt) {
+    case 1: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case 2: return __half2float(static_cast<const __half*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+__device__ __forceinline__ void store(void* base, int64_t i, float x, int dt) {
+  switch (dt) {
+    case 1: static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x); break;
+    case 2: static_cast<__half*>(base)[i] = __float2half_rn(x); break;
+    default: static_cast<float*>(base)[i] = x;
+  }
+}
+
+// torch's lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w)
+__device__ __forceinline__ float lerp(float start, float end, float w) {
+  return w < 0.5f ? __fadd_rn(start, __fmul_rn(w, __fsub_rn(end, start)))
+                  : __fsub_rn(end, __fmul_rn(__fsub_rn(end, start), __fsub_rn(1.0f, w)));
+}
+
+__device__ __forceinline__ int get_code(const uint8_t* codes, int64_t i, bool four) {
+  if (!four) return codes[i];
+  const int b = codes[i >> 1];
+  return (i & 1) ? (b >> 4) : (b & 15);
+}
+
+// First midpoint >= x among n (branch-free binary search over shared memory).
+__device__ __forceinline__ int nearest(float x, const float* mids, int n) {
+  int lo = 0, len = n;
+  while (len > 0) {
+    const int half = len >> 1;
+    const bool right = mids[lo + half] < x;
+    lo = right ? lo + half + 1 : lo;
+    len = right ? len - half - 1 : half;
+  }
+  return lo;
+}
+
+// Sets one nibble of a byte that another team may be writing the other nibble of.
+__device__ void put_nibble_atomic(uint8_t* byte, int code, bool high) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(byte);
+  unsigned int* word = reinterpret_cast<unsigned int*>(addr & ~uintptr_t(3));
+  const int shift = static_cast<int>(addr & 3) * 8 + (high ? 4 : 0);
+  const unsigned int mask = 0xFu << shift;
+  unsigned int old = *word, assumed;
+  do {
+    assumed = old;
+    const unsigned int next = (assumed & ~mask) | (static_cast<unsigned int>(code) << shift);
+    old = atomicCAS(word, assumed, next);
+  } while (old != assumed);
+}
+
+template <int T>
+__device__ __forceinline__ double team_sum(double x, double* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  if constexpr (T == 32) {
+    return x;
+  } else {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    double s = 0.0;
+#pragma unroll
+    for (int w = 0; w < T / 32; ++w) s += scratch[w];
+    return s;
+  }
+}
+
+template <int T>
+__device__ __forceinline__ float team_max(float x, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  if constexpr (T == 32) {
+    return x;
+  } else {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    float m = 0.0f;
+#pragma unroll
+    for (int w = 0; w < T / 32; ++w) m = fmaxf(m, scratch[w]);
+    return m;
+  }
+}
+
+__device__ __forceinline__ int find_segment(const int64_t* prefix, int n_seg, int64_t item) {
+  int lo = 0, hi = n_seg - 1;  // largest s with prefix[s] <= item
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (prefix[mid] <= item) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <int T>
+__global__ void __launch_bounds__(kThreads) blocks_kernel(const int64_t* __restrict__ meta,
+                                                          const float* __restrict__ hyp,
+                                                          const int64_t* __restrict__ prefix,
+                                                          int n_seg, int64_t n_items) {
+  constexpr int kTeams = kThreads / T;
+  __shared__ float s_levels[kTeams][kMaxLevels];
+  __shared__ float s_mids[kTeams][kMaxLevels];
+  __shared__ double s_sum[kThreads / 32];
+  __shared__ float s_max[kThreads / 32];
+
+  const int team = threadIdx.x / T, lane = threadIdx.x % T;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kTeams + team;
+  if (item >= n_items) return;  // uniform over a team; T == 256 is the whole thread block
+  const int s = find_segment(prefix, n_seg, item);
+  const int64_t* m = meta + static_cast<int64_t>(s) * kMetaCols;
+  const float* h = hyp + static_cast<int64_t>(s) * kHypCols;
+
+  void* p = reinterpret_cast<void*>(m[kP]);
+  const void* g = reinterpret_cast<const void*>(m[kG]);
+  uint8_t* codes = reinterpret_cast<uint8_t*>(m[kCodes]);
+  float* absmax = reinterpret_cast<float*>(m[kAbsmax]);
+  float* v = reinterpret_cast<float*>(m[kV]);
+  const int n_levels = static_cast<int>(m[kNLevels]);
+  const int64_t start = m[kStart], numel = m[kNumel], block = m[kBlock];
+  const bool four = m[kBits] == 4;
+  const int pt = static_cast<int>(m[kPDtype]), gt = static_cast<int>(m[kGDtype]);
+
+  float* levels = s_levels[team];
+  float* mids = s_mids[team];
+  for (int k = lane; k < n_levels; k += T) {
+    levels[k] = reinterpret_cast<const float*>(m[kLevels])[k];
+    if (k < n_levels - 1) mids[k] = reinterpret_cast<const float*>(m[kMids])[k];
+  }
+  if constexpr (T == 32) __syncwarp(); else __syncthreads();
+
+  const int64_t j = item - prefix[s];
+  const int64_t b0 = start / block;
+  const int64_t lo = max((b0 + j) * block, start) - start;
+  const int64_t hi = min((b0 + j + 1) * block, start + numel) - start;
+
+  double acc = 0.0;
+  for (int64_t i = lo + lane; i < hi; i += T) {
+    const double x = load(g, i, gt);
+    acc += x * x;
+  }
+  const double total = team_sum<T>(acc, s_sum);
+  const float mean = static_cast<float>(total / static_cast<double>(hi - lo));
+  const float vj = __fadd_rn(__fmul_rn(v[j], h[kBeta2]), __fmul_rn(h[kA2], mean));
+  const float denom = __fadd_rn(__fdiv_rn(sqrtf(vj), h[kBc2]), h[kEps]);
+  const float old = absmax[j];
+  const float w = h[kW], decay = h[kDecay], neg_step = h[kNegStep];
+
+  float amax = 0.0f;
+  for (int64_t i = lo + lane; i < hi; i += T) {
+    float mi = __fmul_rn(levels[get_code(codes, i, four)], old);
+    mi = lerp(mi, load(g, i, gt), w);
+    const float pi = __fmul_rn(load(p, i, pt), decay);
+    store(p, i, __fadd_rn(pi, __fmul_rn(neg_step, __fdiv_rn(mi, denom))), pt);
+    amax = fmaxf(amax, fabsf(mi));
+  }
+  amax = team_max<T>(amax, s_max);
+  const float scale = amax > 0.0f ? amax : 1.0f;
+  const int n_mids = n_levels - 1;
+
+  if (!four) {
+    for (int64_t i = lo + lane; i < hi; i += T) {
+      float mi = __fmul_rn(levels[codes[i]], old);
+      mi = lerp(mi, load(g, i, gt), w);
+      codes[i] = static_cast<uint8_t>(nearest(__fdiv_rn(mi, scale), mids, n_mids));
+    }
+  } else {
+    // bytes [lo / 2, (hi + 1) / 2): a lane per byte, both nibbles from the same lane
+    for (int64_t q = (lo >> 1) + lane; q < ((hi + 1) >> 1); q += T) {
+      const int byte = codes[q];
+      int out = byte;
+      bool mine[2];
+      for (int half = 0; half < 2; ++half) {
+        const int64_t i = 2 * q + half;
+        mine[half] = i >= lo && i < hi;
+        if (!mine[half]) continue;
+        const int c = half ? (byte >> 4) : (byte & 15);
+        float mi = __fmul_rn(levels[c], old);
+        mi = lerp(mi, load(g, i, gt), w);
+        const int k = nearest(__fdiv_rn(mi, scale), mids, n_mids);
+        out = half ? ((out & 15) | (k << 4)) : ((out & 240) | k);
+      }
+      // the other nibble belongs to another block of this segment (not padding): share the byte
+      const bool shared_lo = !mine[0] && 2 * q >= 0 && 2 * q < numel;
+      const bool shared_hi = !mine[1] && 2 * q + 1 < numel;
+      if (shared_lo || shared_hi) {
+        if (mine[0]) put_nibble_atomic(codes + q, out & 15, false);
+        if (mine[1]) put_nibble_atomic(codes + q, out >> 4, true);
+      } else {
+        codes[q] = static_cast<uint8_t>(out);
+      }
+    }
+  }
+  if (lane == 0) {
+    v[j] = vj;
+    absmax[j] = amax;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) dense_kernel(const int64_t* __restrict__ meta,
+                                                         const float* __restrict__ hyp,
+                                                         const int64_t* __restrict__ prefix,
+                                                         int n_seg) {
+  const int64_t tile = blockIdx.x;
+  const int s = find_segment(prefix, n_seg, tile);
+  const int64_t* m = meta + static_cast<int64_t>(s) * kMetaCols;
+  const float* h = hyp + static_cast<int64_t>(s) * kHypCols;
+  void* p = reinterpret_cast<void*>(m[kP]);
+  const void* g = reinterpret_cast<const void*>(m[kG]);
+  float* ea = reinterpret_cast<float*>(m[kExpAvg]);
+  float* es = reinterpret_cast<float*>(m[kExpAvgSq]);
+  const int pt = static_cast<int>(m[kPDtype]), gt = static_cast<int>(m[kGDtype]);
+  const int64_t lo = (tile - prefix[s]) * kDenseTile;
+  const int64_t hi = min(lo + kDenseTile, m[kNumel]);
+  for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+    const float gi = load(g, i, gt);
+    const float pi = __fmul_rn(load(p, i, pt), h[kDecay]);
+    const float mi = lerp(ea[i], gi, h[kW]);
+    const float vi = __fadd_rn(__fmul_rn(es[i], h[kBeta2]), __fmul_rn(__fmul_rn(h[kA2], gi), gi));
+    ea[i] = mi;
+    es[i] = vi;
+    const float denom = __fadd_rn(__fdiv_rn(sqrtf(vi), h[kBc2]), h[kEps]);
+    store(p, i, __fadd_rn(pi, __fmul_rn(h[kNegStep], __fdiv_rn(mi, denom))), pt);
+  }
+}
+
+// One thread block per Gefen block; a shared-memory histogram flushed once per thread block.
+__global__ void __launch_bounds__(kThreads) histogram_kernel(const void* __restrict__ g, int gt,
+                                                             int64_t start, int64_t numel,
+                                                             int64_t block, float head_amax,
+                                                             float tail_amax,
+                                                             unsigned long long* counts,
+                                                             int bins) {
+  extern __shared__ unsigned int s_hist[];
+  __shared__ float s_max[kThreads / 32];
+  for (int k = threadIdx.x; k < bins; k += kThreads) s_hist[k] = 0;
+  const int64_t j = blockIdx.x;
+  const int64_t nb = gridDim.x;
+  const int64_t b0 = start / block;
+  const int64_t lo = max((b0 + j) * block, start) - start;
+  const int64_t hi = min((b0 + j + 1) * block, start + numel) - start;
+  float amax = 0.0f;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) amax = fmaxf(amax, fabsf(load(g, i, gt)));
+  amax = team_max<kThreads>(amax, s_max);
+  const bool cut = (hi - lo) < block;
+  if (cut && j == 0 && head_amax >= 0.0f) amax = head_amax;
+  else if (cut && j == nb - 1 && tail_amax >= 0.0f) amax = tail_amax;
+  __syncthreads();
+  if (amax > 0.0f) {
+    const double half = static_cast<double>(bins) / 2.0;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+      const float x = __fdiv_rn(load(g, i, gt), amax);
+      long long b = static_cast<long long>(floor((static_cast<double>(x) + 1.0) * half));
+      b = b < 0 ? 0 : (b >= bins ? bins - 1 : b);
+      atomicAdd(&s_hist[b], 1u);
+    }
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < bins; k += kThreads)
+    if (s_hist[k]) atomicAdd(&counts[k], static_cast<unsigned long long>(s_hist[k]));
+}
+
+int64_t blocks_of(int64_t start, int64_t numel, int64_t block) {
+  return numel ? (start + numel - 1) / block - start / block + 1 : 0;
+}
+
+}  // namespace
+
+cudaError_t launch_blocks(const int64_t* meta, const float* hyp, const int64_t* prefix, int n_seg,
+                          int64_t n_items, int team, cudaStream_t stream) {
+  if (n_items == 0) return cudaSuccess;
+  if (team == 32) {
+    const int64_t grid = (n_items + kThreads / 32 - 1) / (kThreads / 32);
+    blocks_kernel<32><<<static_cast<unsigned int>(grid), kThreads, 0, stream>>>(meta, hyp, prefix,
+                                                                               n_seg, n_items);
+  } else if (team == kThreads) {
+    blocks_kernel<kThreads><<<static_cast<unsigned int>(n_items), kThreads, 0, stream>>>(
+        meta, hyp, prefix, n_seg, n_items);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_dense(const int64_t* meta, const float* hyp, const int64_t* prefix, int n_seg,
+                         int64_t n_tiles, cudaStream_t stream) {
+  if (n_tiles == 0) return cudaSuccess;
+  dense_kernel<<<static_cast<unsigned int>(n_tiles), kThreads, 0, stream>>>(meta, hyp, prefix,
+                                                                             n_seg);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_histogram(const void* g, int g_dtype, int64_t start, int64_t numel,
+                             int64_t block, float head_amax, float tail_amax,
+                             unsigned long long* counts, int bins, cudaStream_t stream) {
+  const int64_t nb = blocks_of(start, numel, block);
+  if (nb == 0) return cudaSuccess;
+  const size_t shmem = static_cast<size_t>(bins) * sizeof(unsigned int);
+  histogram_kernel<<<static_cast<unsigned int>(nb), kThreads, shmem, stream>>>(
+      g, g_dtype, start, numel, block, head_amax, tail_amax, counts, bins);
+  return cudaGetLastError();
+}
+
+}  // namespace gefen

@@ -1,0 +1,66 @@
+// Launchers of the Gefen CUDA kernels (gefen_cuda.cu). Plain pointers and a stream, no torch
+// types, so the kernels compile (and are compile-checked in CI) with nvcc alone; the torch
+// binding (gefen_cuda_binding.cpp) checks tensors and passes their pointers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace gefen {
+
+// One row of the segment table (int64 fields); pointers are device addresses.
+enum Meta : int {
+  kP = 0,         // parameter piece (dtype kPDtype)
+  kG,             // gradient piece (dtype kGDtype)
+  kCodes,         // uint8 codes of the segment (B > 1)
+  kAbsmax,        // fp32 per block (B > 1)
+  kV,             // fp32 per block (B > 1)
+  kLevels,        // fp32 codebook, kNLevels entries (B > 1)
+  kMids,          // fp32 midpoints, kNLevels - 1 entries (B > 1)
+  kStart,         // first element's index in the original tensor
+  kNumel,         // elements in the segment
+  kBlock,         // block size B
+  kBits,          // 4 or 8
+  kPDtype,        // 0 fp32, 1 bf16, 2 fp16
+  kGDtype,        // same codes
+  kExpAvg,        // fp32 m per element (B = 1)
+  kExpAvgSq,      // fp32 v per element (B = 1)
+  kNLevels,       // 16 or 256
+  kMetaCols = 16
+};
+
+// One row of the per-segment hyperparameters (fp32), computed on the host from the group's lr,
+// betas, weight decay and the parameter's step, so a schedule changes nothing on the device.
+enum Hyp : int {
+  kBeta1 = 0,    // beta1
+  kW,            // 1 - beta1 (the lerp weight)
+  kBeta2,        // beta2
+  kA2,           // 1 - beta2
+  kDecay,        // 1 - lr * weight_decay
+  kNegStep,      // -lr / (1 - beta1^t)
+  kBc2,          // sqrt(1 - beta2^t)
+  kEps,          // eps
+  kHypCols = 8
+};
+
+// Blocked segments. ``prefix`` (n_seg + 1 entries) holds each segment's first work item: one
+// item per block. ``team`` is 32 (a warp per block, for short blocks) or 256 (a thread block per
+// block, for long ones); any block length works with either.
+cudaError_t launch_blocks(const int64_t* meta, const float* hyp, const int64_t* prefix, int n_seg,
+                          int64_t n_items, int team, cudaStream_t stream);
+
+// B = 1 segments: exact AdamW. ``prefix`` counts tiles of kDenseTile elements.
+constexpr int kDenseTile = 2048;
+cudaError_t launch_dense(const int64_t* meta, const float* hyp, const int64_t* prefix, int n_seg,
+                         int64_t n_tiles, cudaStream_t stream);
+
+// Adds the block-normalised values g / absmax(block) of one segment to ``counts`` (bins int64
+// counters over [-1, 1], binned as gefen_dist.codebook.histogram). ``head_amax`` /
+// ``tail_amax`` (>= 0) replace the absmax of a first / last block that a shard boundary cuts;
+// pass -1 to use the piece's own.
+cudaError_t launch_histogram(const void* g, int g_dtype, int64_t start, int64_t numel,
+                             int64_t block, float head_amax, float tail_amax,
+                             unsigned long long* counts, int bins, cudaStream_t stream);
+
+}  // namespace gefen

@@ -1,0 +1,191 @@
+"""The CUDA backend (``csrc/gefen_cuda.cu``): JIT-built with torch's cpp_extension, cached.
+
+Why a segment table: a step touches hundreds of tensors, and FSDP/ZeRO hand each rank pieces of
+many tensors in one flat buffer; one row per segment (pointers, offsets, block size, dtypes, the
+step's hyperparameters) lets three launches cover every segment of a step, whatever the model,
+and an lr schedule changes only a row's numbers, never the kernels.
+
+The build needs ninja, nvcc and a CUDA build of torch; it goes to ``$GEFEN_CACHE_DIR``
+(default ``~/.cache/gefen_dist``) keyed by the sources, torch's version and the device's
+architecture, so a second process loads it in a second. When it cannot be built, ``available()``
+is False and ``build_error()`` says why; Gefen then runs the reference update and says so once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .reference import Hyper, SegmentState
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = [CSRC / "gefen_cuda_binding.cpp", CSRC / "gefen_cuda.cu"]
+HEADERS = [CSRC / "gefen_cuda.h"]
+CUDA_FLAGS = ["-O3", "--fmad=false"]
+WIDE = 1024
+"""Blocks of at least this many elements get a whole thread block (256 threads), shorter ones
+a warp: a warp alone would leave most of a long block's bandwidth unused, a thread block on a
+short one would idle most of its threads."""
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_ext: Any = None
+_error: str | None = None
+
+
+def _build() -> Any:
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA is not available")
+    if torch.version.cuda is None:
+        raise RuntimeError("this torch is a CPU build")
+    missing = [str(p) for p in SOURCES + HEADERS if not p.exists()]
+    if missing:
+        raise RuntimeError(f"sources not found: {missing} (an install without csrc/)")
+    from torch.utils.cpp_extension import load
+
+    major, minor = torch.cuda.get_device_capability()
+    h = hashlib.sha256()
+    for p in SOURCES + HEADERS:
+        h.update(p.read_bytes())
+    h.update(f"{torch.__version__} {torch.version.cuda} sm_{major}{minor} {CUDA_FLAGS}".encode())
+    cache = Path(os.environ.get("GEFEN_CACHE_DIR", Path.home() / ".cache" / "gefen_dist"))
+    build = cache / f"cuda_{h.hexdigest()[:16]}"
+    build.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+    return load(
+        name="gefen_cuda_ext",
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=CUDA_FLAGS,
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(build),
+        verbose=False,
+    )
+
+
+def load() -> Any:
+    """The extension, built on first call; None (and ``build_error()``) when it cannot be."""
+    global _ext, _error
+    if _ext is None and _error is None:
+        try:
+            _ext = _build()
+        except Exception as e:  # any failure leaves the reference update in charge
+            _error = f"{type(e).__name__}: {e}"
+    return _ext
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def build_error() -> str | None:
+    load()
+    return _error
+
+
+def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
+    return p.device.type == "cuda" and p.dtype in DTYPES and g.dtype in DTYPES
+
+
+def _hyper_row(h: Hyper) -> list[float]:
+    return [
+        h.beta1,
+        1.0 - h.beta1,
+        h.beta2,
+        1.0 - h.beta2,
+        1.0 - h.lr * h.weight_decay,
+        -h.step_size,
+        h.bc2_sqrt,
+        h.eps,
+    ]
+
+
+def _row(p: torch.Tensor, g: torch.Tensor, st: SegmentState, levels, mids, bits) -> list[int]:
+    blocked = st.block_size > 1
+    return [
+        p.data_ptr(),
+        g.data_ptr(),
+        st.codes.data_ptr() if blocked else 0,
+        st.absmax.data_ptr() if blocked else 0,
+        st.v.data_ptr() if blocked else 0,
+        levels.data_ptr() if blocked else 0,
+        mids.data_ptr() if blocked else 0,
+        st.start,
+        st.numel,
+        st.block_size,
+        bits,
+        DTYPES[p.dtype],
+        DTYPES[g.dtype],
+        0 if blocked else st.exp_avg.data_ptr(),
+        0 if blocked else st.exp_avg_sq.data_ptr(),
+        levels.numel() if blocked else 0,
+    ]
+
+
+def _table(rows, hyps, counts, device):
+    prefix = [0]
+    for c in counts:
+        prefix.append(prefix[-1] + c)
+    meta = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    hyp = torch.tensor(hyps, dtype=torch.float32).pin_memory().to(device, non_blocking=True)
+    pre = torch.tensor(prefix, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    return meta, hyp, pre, prefix[-1]
+
+
+def step(work: list[tuple]) -> None:
+    """Run every (p, g, segment views, Hyper, levels, mids, bits) of one device in three
+    launches at most. Flat 1-D contiguous views; the optimizer guarantees it."""
+    ext = load()
+    if not work:
+        return
+    device = work[0][0].device
+    stream = torch.cuda.current_stream(device).cuda_stream
+    groups: dict[str, tuple[list, list, list]] = {
+        "narrow": ([], [], []),
+        "wide": ([], [], []),
+        "dense": ([], [], []),
+    }
+    tile = ext.DENSE_TILE
+    for p, g, st, h, levels, mids, bits in work:
+        if st.numel == 0:
+            continue
+        if p.device != device or g.device != device:
+            raise ValueError("Gefen's CUDA step got tensors on several devices in one call")
+        if st.block_size == 1:
+            key, count = "dense", -(-st.numel // tile)
+        else:
+            key = "wide" if st.block_size >= WIDE else "narrow"
+            count = (st.start + st.numel - 1) // st.block_size - st.start // st.block_size + 1
+        rows, hyps, counts = groups[key]
+        rows.append(_row(p, g, st, levels, mids, bits))
+        hyps.append(_hyper_row(h))
+        counts.append(count)
+    with torch.cuda.device(device):
+        for key, (rows, hyps, counts) in groups.items():
+            if not rows:
+                continue
+            meta, hyp, pre, total = _table(rows, hyps, counts, device)
+            if key == "dense":
+                ext.dense(meta, hyp, pre, total, stream)
+            else:
+                ext.blocks(meta, hyp, pre, total, 256 if key == "wide" else 32, stream)
+
+
+def histogram(
+    g: torch.Tensor,
+    start: int,
+    block: int,
+    head_amax: float,
+    tail_amax: float,
+    counts: torch.Tensor,
+) -> None:
+    """Add one segment's g / absmax(block) to int64 ``counts`` (on g's device), binned as
+    ``codebook.histogram``; ``head_amax`` / ``tail_amax`` (or -1) replace the absmax of a cut
+    first / last block with the whole block's."""
+    ext = load()
+    with torch.cuda.device(g.device):
+        stream = torch.cuda.current_stream(g.device).cuda_stream
+        ext.histogram(g, start, block, head_amax, tail_amax, counts, stream)

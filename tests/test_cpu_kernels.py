@@ -1,0 +1,161 @@
+"""The CPU backends (C++ and numba) against the reference update, step by step from identical
+state; and what the C++ kernel must get exactly right on its own."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gefen_dist import Gefen, Segment, state
+from gefen_dist import codebook as cb
+from gefen_dist.codes import unpack4
+
+torch.set_num_threads(1)
+
+
+def _pair(bits, start, numel, shape, backend, seed=0, levels=None, **kw):
+    g = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(numel, generator=g)
+    if levels is None:
+        hist = cb.histogram(torch.randn(10000, generator=g).clamp(-1, 1))
+        levels = cb.learn_codebook(hist, bits)
+    ps, opts = [], []
+    for name in ("reference", backend):
+        p = p0.clone().requires_grad_()
+        o = Gefen([p], lr=1e-2, weight_decay=0.1, bits=bits, **kw)
+        o.backend = name
+        seg = Segment(0, numel, start, shape)
+        o.set_segments(p, [seg])
+        # a piece of a larger tensor: its block size is given, as another rank's merge would
+        o.state[p] = state.allocate([seg], [shape[1]], levels, p.device)
+        ps.append(p)
+        opts.append(o)
+    return ps, opts
+
+
+def _grad(numel, start, row, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.exp(torch.randn((start + numel) // row + 2, generator=g))
+    idx = (torch.arange(numel) + start) // row
+    return rows[idx] * torch.randn(numel, generator=g)
+
+
+@pytest.mark.parametrize("backend", ["native", "numba"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(
+    "start,numel,shape",
+    [(0, 96 * 200, (200, 96)), (37, 4001, (90, 96)), (1, 5 * 96, (6, 96)), (0, 97 * 60, (60, 97))],
+)
+def test_cpu_step_matches_reference(backend, bits, start, numel, shape):
+    (pr, pn), (orf, onb) = _pair(bits, start, numel, shape, backend)
+    row = shape[1]
+    for t in range(5):
+        g = _grad(numel, start, row, 10 + t)
+        pr.grad, pn.grad = g.clone(), g.clone()
+        if t:  # continue both from the reference's state: compare one step at a time
+            pn.data.copy_(pr.data)
+            for k, v in orf.state[pr].items():
+                onb.state[pn][k].copy_(v)
+        orf.step()
+        onb.step()
+        sr, sn = orf.state[pr], onb.state[pn]
+        assert int(sr["layout"][0, 3]) == row and int(sn["layout"][0, 3]) == row
+        # v: fp64 vs fp32 accumulation of the block mean of g^2
+        torch.testing.assert_close(sn["v"], sr["v"], rtol=2e-6, atol=0)
+        torch.testing.assert_close(sn["absmax"], sr["absmax"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(pn.detach(), pr.detach(), rtol=1e-6, atol=1e-7)
+        cr, cn = sr["codes"], sn["codes"]
+        if bits == 4:
+            cr, cn = unpack4(cr, numel), unpack4(cn, numel)
+        diff = (cr.long() - cn.long()).abs()
+        assert diff.max() <= 1  # a value on a midpoint may round to the neighbouring level
+        assert (diff > 0).float().mean() < 1e-3
+    assert onb.memory_report()["backend"] == {"native": "native-cpu"}.get(backend, backend)
+    assert orf.memory_report()["backend"] == "reference"
+
+
+def test_backend_is_validated():
+    o = Gefen([torch.zeros(3, requires_grad=True)])
+    assert o.backend == "auto"
+    with pytest.raises(ValueError, match="backend"):
+        o.backend = "cuda"
+
+
+def test_auto_is_the_cpp_kernel_on_cpu():
+    p = torch.randn(64, 128, requires_grad=True)
+    o = Gefen([p])
+    p.grad = _grad(p.numel(), 0, 128, 0).view_as(p)
+    o.step()
+    assert o.memory_report()["backend"] == "native-cpu"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpp_codes_are_the_nearest_level_even_for_crowded_levels(bits):
+    """From zero state, m = (1 - b1) g exactly in both: the codes must be identical, also when
+    many levels crowd into one cell of the kernel's lookup table (its exact walk)."""
+    n = 2**bits
+    crowd = torch.linspace(0.1, 0.1 + 1e-4 * (n - 3), n - 2)
+    levels = torch.cat([torch.tensor([-1.0]), crowd, torch.tensor([1.0])])
+    numel, row = 64 * 96, 96
+    (pr, pn), (orf, onb) = _pair(bits, 0, numel, (64, row), "native", levels=levels)
+    g = _grad(numel, 0, row, 3).abs() * 0.12  # values land inside the crowd
+    g[::7] = 0.1 + 1e-4 * torch.arange(len(g[::7])) % (1e-4 * (n - 3))
+    pr.grad, pn.grad = g.clone(), g.clone()
+    orf.step()
+    onb.step()
+    assert torch.equal(onb.state[pn]["codes"], orf.state[pr]["codes"])
+
+
+def test_cpp_follows_torch_lerp_for_small_beta1():
+    """torch's lerp switches formula at weight 0.5 (beta1 < 0.5); the kernel must follow."""
+    (pr, pn), (orf, onb) = _pair(8, 0, 96 * 64, (64, 96), "native", betas=(0.3, 0.9))
+    for t in range(3):
+        g = _grad(96 * 64, 0, 96, t)
+        pr.grad, pn.grad = g.clone(), g.clone()
+        orf.step()
+        onb.step()
+    torch.testing.assert_close(pn.detach(), pr.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bits,shape", [(8, (300, 64)), (4, (300, 64)), (4, (301, 63))])
+def test_cpp_result_does_not_depend_on_threads(bits, shape):
+    """Blocks are independent, so two threads give the one-thread result bit for bit (odd
+    4-bit boundaries run in order)."""
+    out = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        p = torch.randn(shape, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        o = Gefen([p], bits=bits)
+        for t in range(3):
+            p.grad = _grad(p.numel(), 0, shape[1], t).view(shape)
+            o.step()
+        out.append((p.detach().clone(), {k: v.clone() for k, v in o.state[p].items()}))
+    torch.set_num_threads(1)
+    assert int(out[0][1]["layout"][0, 3]) == shape[1]
+    assert torch.equal(out[0][0], out[1][0])
+    for k in out[0][1]:
+        assert torch.equal(out[0][1][k], out[1][1][k]), k
+
+
+def test_missing_compiler_falls_back_with_a_warning(tmp_path):
+    code = (
+        "import warnings, torch\n"
+        "from gefen_dist import Gefen, native_cpu\n"
+        "assert not native_cpu.available() and 'failed' in native_cpu.build_error()\n"
+        "p = torch.randn(64, 128, requires_grad=True)\n"
+        "o = Gefen([p]); p.grad = torch.randn(64, 128)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always'); o.step()\n"
+        "assert any('C++ CPU kernels are unavailable' in str(x.message) for x in w)\n"
+        "print(o.memory_report()['backend'])\n"
+    )
+    env = dict(os.environ, CXX="false", GEFEN_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "numba"
+    o = Gefen([torch.zeros(3, requires_grad=True)])
+    o.backend = "native"  # where the kernel builds, asking for it explicitly works
+    o.param_groups[0]["params"][0].grad = torch.ones(3)
+    o.step()
