@@ -142,7 +142,7 @@ def test_smoke_compare_end_to_end_lists_a_missing_peer_as_skipped(tmp_path):
     out = tmp_path / "rep"
     env = {"PYTHONPATH": f"{fake}:{ROOT}", "PATH": "/usr/bin:/bin"}
     cmd = [sys.executable, "-m", "gefen_dist.bench", "compare", "--smoke", "--tasks",
-           "mlp,gpt2", "--optimizers", "adamw,gefen4,bnb_adamw8bit", "--out", str(out)]
+           "mlp,gru", "--optimizers", "adamw,gefen4,bnb_adamw8bit", "--out", str(out)]
     import os
 
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -154,7 +154,7 @@ def test_smoke_compare_end_to_end_lists_a_missing_peer_as_skipped(tmp_path):
     skipped = [line for line in text.splitlines() if line.startswith("| bitsandbytes")]
     assert len(skipped) == 2 and all("hidden by the test" in s for s in skipped)
     res = json.loads((out / "results.json").read_text())
-    for task in ("mlp", "gpt2"):
+    for task in ("mlp", "gru"):
         cells = res["summary"][task]
         assert cells["adamw"]["status"] == cells["gefen4"]["status"] == "ok"
         assert cells["adamw"]["bytes_per_param"] == pytest.approx(8.0, abs=0.01)
