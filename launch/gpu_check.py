@@ -1,0 +1,360 @@
+"""The native kernels on a device, in one go: build, check against the reference, time.
+
+On a GPU (the lent H200: run as is, well inside 10 minutes; needs numba and ninja importable):
+
+    python launch/gpu_check.py --out "$OUT"
+
+1. Builds the CUDA extension (torch.utils.cpp_extension, cached) and records how long it took.
+2. Checks the kernels against the reference update, step by step from identical state: awkward
+   layouts (prime sizes, B = 1, odd block sizes and odd starts at 4 bits, a block of 50k
+   elements spanning many tiles, several tensors' pieces in one flat buffer as FSDP/ZeRO hand
+   them, cut blocks), 8 and 4 bits, fp32/bf16/fp16 parameters; and the device g0 histogram
+   against ``codebook.histogram`` (must be equal).
+3. Times one step on a ~1B-parameter set (fp32, then bf16 parameters and gradients) for fused
+   AdamW, Gefen 4/8-bit and, where importable, bitsandbytes AdamW8bit and torchao AdamW8bit/4bit;
+   reports the median step, the ratio to fused AdamW and the bytes/s each step must move against
+   the device's measured copy bandwidth.
+
+Writes gpu_check.json and gpu_check.md to --out. ``--device cpu --scale 0.001`` runs the same
+script on the CPU (the C++ kernel, small sizes); CI runs its checks that way (``--checks-only``),
+so the script stays runnable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gefen_dist import Gefen, Segment, state  # noqa: E402
+from gefen_dist import codebook as cb  # noqa: E402
+from gefen_dist.codes import unpack4  # noqa: E402
+
+# (name, [(numel, start, shape, block)] of one flat buffer): block 1 = exact AdamW state
+LAYOUTS = [
+    ("prime", [(7919, 0, (7919,), 1)]),
+    ("rows", [(257 * 1031, 0, (257, 1031), 1031)]),
+    ("odd_start_odd_block", [(4001, 37, (90, 97), 97)]),
+    ("long_block", [(4 * 50257, 0, (4, 50257), 50257)]),
+    ("short_blocks", [(96 * 300, 0, (300, 96), 8)]),
+    (
+        "flat_shard",
+        [
+            (1000, 24000, (200, 128), 128),
+            (33, 0, (33,), 1),
+            (5 * 96 + 1, 1, (6, 96), 96),
+            (4096, 0, (64, 64), 64),
+        ],
+    ),
+]
+
+
+def _grad(numel: int, start: int, row: int, seed: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.exp(torch.randn((start + numel) // row + 2, generator=g))
+    idx = (torch.arange(numel) + start) // row
+    return (rows[idx] * torch.randn(numel, generator=g)).to(device)
+
+
+def check_layout(name, parts, bits, dtype, device, steps=4) -> dict:
+    numel = sum(n for n, *_ in parts)
+    segs, off = [], 0
+    for n, start, shape, _ in parts:
+        segs.append(Segment(off, n, start, shape))
+        off += n
+    blocks = [b for *_, b in parts]
+    gen = torch.Generator().manual_seed(0)
+    levels = cb.learn_codebook(cb.histogram(torch.randn(20000, generator=gen).clamp(-1, 1)), bits)
+    p0 = torch.randn(numel, generator=gen).to(device, dtype)
+    ps, opts = [], []
+    for backend in ("reference", "native"):
+        p = p0.clone().requires_grad_()
+        o = Gefen([p], lr=1e-2, weight_decay=0.1, bits=bits)
+        o.backend = backend
+        o.set_segments(p, segs)
+        o.state[p] = state.allocate(segs, blocks, levels, p.device)
+        ps.append(p)
+        opts.append(o)
+    (pr, pn), (orf, onb) = ps, opts
+    worst = dict(p=0.0, v=0.0, absmax=0.0, code_frac=0.0, code_max=0)
+    for t in range(steps):
+        g = torch.cat(
+            [_grad(n, s, shape[-1], 10 * t + i, device) for i, (n, s, shape, _) in enumerate(parts)]
+        ).to(dtype)
+        pr.grad, pn.grad = g.clone(), g.clone()
+        if t:
+            pn.data.copy_(pr.data)
+            for k, v in orf.state[pr].items():
+                onb.state[pn][k].copy_(v)
+        orf.step()
+        onb.step()
+        sr, sn = orf.state[pr], onb.state[pn]
+        scale = pr.detach().float().abs().clamp_min(1e-3)
+        worst["p"] = max(worst["p"], ((pn - pr).detach().float().abs() / scale).max().item())
+        for k in ("v", "absmax", "exp_avg_sq"):
+            if sr[k].numel():
+                rel = ((sn[k] - sr[k]).abs() / sr[k].abs().clamp_min(1e-30)).max().item()
+                key = "v" if k == "exp_avg_sq" else k
+                worst[key] = max(worst[key], rel)
+        cr, cn = sr["codes"], sn["codes"]
+        if bits == 4:
+            cr, cn = unpack4(cr, 2 * cr.numel()), unpack4(cn, 2 * cn.numel())
+        if cr.numel():
+            d = (cr.long() - cn.long()).abs()
+            worst["code_max"] = max(worst["code_max"], int(d.max()))
+            worst["code_frac"] = max(worst["code_frac"], (d > 0).float().mean().item())
+    p_tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    ok = (
+        worst["p"] <= p_tol
+        and worst["v"] <= 1e-5
+        and worst["absmax"] <= 1e-5
+        and worst["code_max"] <= 1
+        and worst["code_frac"] < 2e-3
+    )
+    used = onb.memory_report()["backend"]
+    return dict(layout=name, bits=bits, dtype=str(dtype), backend=used, ok=ok, **worst)
+
+
+def check_histogram(device) -> dict:
+    g = _grad(96 * 301 + 5, 17, 96, 1, device)
+    seg = Segment(0, g.numel(), 17, (400, 96))
+    from gefen_dist.optimizer import _histogram
+
+    dev = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64)
+    _histogram(g, seg, 96, dev, {0: 7.5})
+    ref = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64)
+    x = g.cpu()
+    _histogram(x, seg, 96, ref, {0: 7.5})
+    return dict(check="histogram", ok=bool(torch.equal(dev, ref)), total=float(dev.sum()))
+
+
+def copy_bandwidth(device, numel: int) -> float:
+    a = torch.empty(numel, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        t = _timer(device)
+        b.copy_(a)
+        times.append(t())
+    return 2 * a.numel() * 4 / statistics.median(times)
+
+
+def _timer(device):
+    if device.type == "cuda":
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+
+        def stop():
+            e.record()
+            e.synchronize()
+            return s.elapsed_time(e) / 1e3
+
+        return stop
+    t0 = time.perf_counter()
+    return lambda: time.perf_counter() - t0
+
+
+# bytes a step must move per parameter (reads + writes), for the bandwidth column
+def _bytes(name: str, pbytes: int) -> float:
+    return {
+        "adamw_fused": 2 * pbytes + pbytes + 16,
+        "gefen4": 2 * pbytes + pbytes + 1.0,
+        "gefen8": 2 * pbytes + pbytes + 2.0,
+        "bnb_adamw8bit": 2 * pbytes + pbytes + 4.0,
+        "torchao_adamw8bit": 2 * pbytes + pbytes + 4.0,
+        "torchao_adamw4bit": 2 * pbytes + pbytes + 2.0,
+    }[name]
+
+
+def build(name, params):
+    kw = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if name == "adamw_fused":
+        return torch.optim.AdamW(params, fused=True, **kw)
+    if name.startswith("gefen"):
+        return Gefen(params, bits=int(name[5:]), **kw)
+    if name == "bnb_adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, **kw)
+    import torchao.optim as ao
+
+    return (ao.AdamW8bit if name.endswith("8bit") else ao.AdamW4bit)(params, **kw)
+
+
+def time_step(name, dtype, device, n_tensors, rows, cols, steps) -> dict:
+    torch.manual_seed(0)
+    params = []
+    for _ in range(n_tensors):
+        p = torch.nn.Parameter(torch.randn(rows, cols, device=device, dtype=dtype) * 0.02)
+        rs = torch.randn(rows, 1, device=device).exp()
+        p.grad = (torch.randn(rows, cols, device=device) * rs).to(dtype)
+        params.append(p)
+    numel = n_tensors * rows * cols
+    try:
+        opt = build(name, params)
+    except Exception as e:
+        return dict(optimizer=name, dtype=str(dtype), skipped=f"{type(e).__name__}: {e}"[:300])
+    try:
+        for _ in range(3):
+            opt.step()
+        times = []
+        for _ in range(steps):
+            t = _timer(device)
+            opt.step()
+            times.append(t())
+    except Exception as e:
+        return dict(optimizer=name, dtype=str(dtype), skipped=f"{type(e).__name__}: {e}"[:300])
+    med = statistics.median(times)
+    out = dict(
+        optimizer=name,
+        dtype=str(dtype),
+        params=numel,
+        median_ms=1e3 * med,
+        bytes_per_s=_bytes(name, params[0].element_size()) * numel / med,
+    )
+    if isinstance(opt, Gefen):
+        rep = opt.memory_report()
+        out.update(backend=rep["backend"], state_bytes_per_param=rep["bytes_per_param"])
+    del opt, params
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of the 1B-parameter set")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=480, help="stop timing peers after this")
+    ap.add_argument("--checks-only", action="store_true", help="build and check, no timing")
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    a.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    report: dict = dict(
+        command=" ".join(sys.argv), torch=torch.__version__, python=platform.python_version()
+    )
+    if device.type == "cuda":
+        from gefen_dist import native_cuda
+
+        report["device"] = torch.cuda.get_device_name(device)
+        t0 = time.perf_counter()
+        ok = native_cuda.available()
+        report["build_s"] = time.perf_counter() - t0
+        report["build_error"] = native_cuda.build_error()
+        if not ok:
+            _write(a.out, report)
+            sys.exit(f"CUDA extension unavailable: {native_cuda.build_error()}")
+    else:
+        report["device"] = platform.processor() or "cpu"
+    checks = []
+    for name, parts in LAYOUTS:
+        for bits in (4, 8):
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                try:
+                    checks.append(check_layout(name, parts, bits, dtype, device))
+                except Exception:
+                    checks.append(
+                        dict(
+                            layout=name,
+                            bits=bits,
+                            dtype=str(dtype),
+                            ok=False,
+                            error=traceback.format_exc()[-1500:],
+                        )
+                    )
+    try:
+        checks.append(check_histogram(device))
+    except Exception:
+        checks.append(dict(check="histogram", ok=False, error=traceback.format_exc()[-1500:]))
+    report["checks"] = checks
+    report["checks_ok"] = all(c["ok"] for c in checks)
+    report["check_s"] = time.perf_counter() - t_start
+    if a.checks_only:
+        _write(a.out, report)
+        print((a.out / "gpu_check.md").read_text())
+        sys.exit(0 if report["checks_ok"] else "some checks failed: see gpu_check.json")
+
+    # 16 x 8192 x 8192 = 1.07B parameters at scale 1
+    rows = max(64, int(8192 * a.scale**0.5) // 64 * 64)
+    n_tensors, cols = 16, rows
+    report["copy_bytes_per_s"] = copy_bandwidth(device, min(2**28, n_tensors * rows * cols))
+    timings = []
+    names = [
+        "adamw_fused",
+        "gefen4",
+        "gefen8",
+        "bnb_adamw8bit",
+        "torchao_adamw8bit",
+        "torchao_adamw4bit",
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        for name in names:
+            if time.perf_counter() - t_start > a.budget_s and not name.startswith(
+                ("adamw", "gefen")
+            ):
+                timings.append(dict(optimizer=name, dtype=str(dtype), skipped="time budget"))
+                continue
+            timings.append(time_step(name, dtype, device, n_tensors, rows, cols, a.steps))
+            print(json.dumps(timings[-1]), flush=True)
+    report["timings"] = timings
+    report["total_s"] = time.perf_counter() - t_start
+    _write(a.out, report)
+    print((a.out / "gpu_check.md").read_text())
+    if not report["checks_ok"]:
+        sys.exit("some checks failed: see gpu_check.json")
+
+
+def _write(out: Path, report: dict) -> None:
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    lines = [f"# Native kernels on {report.get('device')}", "", f"`{report['command']}`", ""]
+    if report.get("build_error"):
+        lines.append(f"Build failed: {report['build_error']}")
+    checks = report.get("checks", [])
+    bad = [c for c in checks if not c["ok"]]
+    lines.append(f"Checks against the reference: {len(checks) - len(bad)}/{len(checks)} ok")
+    for c in bad:
+        lines.append(f"- FAILED {json.dumps(c)[:400]}")
+    bw = report.get("copy_bytes_per_s")
+    if report.get("timings"):
+        lines += [
+            "",
+            f"Copy bandwidth: {bw / 1e9:.0f} GB/s",
+            "",
+            "| dtype | optimizer | median step | x fused AdamW | GB/s | % of copy |",
+            "|---|---|---|---|---|---|",
+        ]
+        for dtype in dict.fromkeys(t["dtype"] for t in report["timings"]):
+            rows = [t for t in report["timings"] if t["dtype"] == dtype]
+            ref = next(
+                (t for t in rows if t["optimizer"] == "adamw_fused" and "median_ms" in t), None
+            )
+            for t in rows:
+                if "skipped" in t:
+                    lines.append(
+                        f"| {dtype} | {t['optimizer']} | skipped: {t['skipped'][:60]} | | | |"
+                    )
+                    continue
+                ratio = f"{t['median_ms'] / ref['median_ms']:.2f}x" if ref else "-"
+                lines.append(
+                    f"| {dtype} | {t['optimizer']} {t.get('backend', '')} | "
+                    f"{t['median_ms']:.2f} ms | {ratio} | {t['bytes_per_s'] / 1e9:.0f} | "
+                    f"{100 * t['bytes_per_s'] / bw:.0f} % |"
+                )
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
