@@ -7,8 +7,9 @@ and an lr schedule changes only a row's numbers, never the kernels.
 
 The build needs ninja, nvcc and a CUDA build of torch; it goes to ``$GEFEN_CACHE_DIR``
 (default ``~/.cache/gefen_dist``) keyed by the sources, torch's version and the device's
-architecture, so a second process loads it in a second. When it cannot be built, ``available()``
-is False and ``build_error()`` says why; Gefen then runs the reference update and says so once.
+architecture, so a second process loads it in a second. When it cannot be built, or its
+self-check against the reference fails on a device (``_verified``), ``available(device)`` is
+False and ``build_error()`` says why; Gefen then runs the reference update and says so once.
 """
 
 from __future__ import annotations
@@ -77,8 +78,80 @@ def load() -> Any:
     return _ext
 
 
-def available() -> bool:
-    return load() is not None
+def available(device: torch.device | None = None) -> bool:
+    """Built, and (with ``device``) passed the self-check on that device."""
+    if load() is None:
+        return False
+    return device is None or _verified(device)
+
+
+_checked: dict[str, bool] = {}
+
+
+def _verified(device: torch.device) -> bool:
+    """Run the kernels once per device on a small awkward layout against the reference
+    (4-bit blocks of odd length from an odd start, so bytes are shared; 8-bit; B = 1; bf16).
+    Why: a kernel that miscompiles or misbehaves on a device must not corrupt a training run;
+    on a mismatch the reference update runs instead and ``build_error()`` says why."""
+    global _error
+    key = str(device)
+    if key not in _checked:
+        try:
+            _self_check(device)
+            _checked[key] = True
+        except Exception as e:
+            _error = f"self-check on {key} failed: {type(e).__name__}: {e}"
+            _checked[key] = False
+    return _checked[key]
+
+
+def _self_check(device: torch.device) -> None:
+    from . import codebook as cb
+    from .codes import midpoints
+    from .reference import block_update, dense_update
+
+    gen = torch.Generator().manual_seed(0)
+    for bits, dtype, start, numel, block in [
+        (4, torch.float32, 37, 4001, 97),
+        (8, torch.bfloat16, 0, 3000, 1000),
+        (4, torch.float32, 0, 777, 1),
+    ]:
+        levels = cb.learn_codebook(cb.histogram(torch.rand(4096, generator=gen) * 2 - 1), bits)
+        levels, mids = levels.to(device), midpoints(levels).to(device)
+        p0 = torch.randn(numel, generator=gen).to(device, dtype)
+        sts, ps = [], []
+        for _ in range(2):
+            nb = (start + numel - 1) // block - start // block + 1
+            st = SegmentState(start, numel, block)
+            if block == 1:
+                st.exp_avg = torch.zeros(numel, device=device)
+                st.exp_avg_sq = torch.zeros(numel, device=device)
+            else:
+                st.codes = torch.zeros(
+                    numel if bits == 8 else (numel + 1) // 2, dtype=torch.uint8, device=device
+                )
+                st.absmax = torch.zeros(nb, device=device)
+                st.v = torch.zeros(nb, device=device)
+            sts.append(st)
+            ps.append(p0.clone())
+        for t in range(1, 4):
+            g = torch.randn(numel, generator=gen).to(device, dtype)
+            h = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=t)
+            if block == 1:
+                dense_update(ps[0], g, sts[0], h)
+            else:
+                block_update(ps[0], g, sts[0], h, levels, mids, bits)
+            step([(ps[1], g, sts[1], h, levels, mids, bits)])
+        torch.cuda.synchronize(device)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        err = ((ps[1].float() - ps[0].float()).abs() / ps[0].float().abs().clamp_min(1e-3)).max()
+        if not err <= tol:
+            raise RuntimeError(f"parameters differ by {err.item():.3g} (bits={bits}, B={block})")
+        pairs = [("v", 1e-5), ("absmax", 1e-5)] if block > 1 else [("exp_avg_sq", 1e-5)]
+        for k, rtol in pairs:
+            a, b = getattr(sts[1], k), getattr(sts[0], k)
+            if not ((a - b).abs() <= rtol * b.abs() + 1e-30).all():
+                raise RuntimeError(f"{k} differs (bits={bits}, B={block})")
 
 
 def build_error() -> str | None:

@@ -305,7 +305,7 @@ class Gefen(Optimizer):
         if b == "reference":
             return "reference"
         if p.device.type == "cuda" and b in ("auto", "native") and native_cuda.supports(p, g):
-            if native_cuda.available():
+            if native_cuda.available(p.device):
                 return "cuda"
             self._unavailable("CUDA", native_cuda.build_error())
         if p.device.type == "cpu" and b in ("auto", "native") and native_cpu.supports(p, g):
@@ -461,8 +461,12 @@ class Gefen(Optimizer):
         )
 
     def _backend_in_use(self) -> str:
-        names = {"cpu": "native-cpu", "cuda": "native-cuda", "numba": "numba",
-                 "reference": "reference"}
+        names = {
+            "cpu": "native-cpu",
+            "cuda": "native-cuda",
+            "numba": "numba",
+            "reference": "reference",
+        }
         used = set()
         for p, st in self.state.items():
             if st:
@@ -550,11 +554,12 @@ def _histogram(
     the whole-block absmax of blocks that a shard boundary cuts."""
     if block_size == 1:
         return
-    if g.is_cuda and g.dtype in native_cuda.DTYPES and native_cuda.available():
+    if g.is_cuda and g.dtype in native_cuda.DTYPES and native_cuda.available(g.device):
         head, tail = seg.start // block_size, (seg.start + seg.numel - 1) // block_size
         dev = torch.zeros(counts.numel(), dtype=torch.int64, device=g.device)
-        native_cuda.histogram(g.contiguous(), seg.start, block_size, cut.get(head, -1.0),
-                              cut.get(tail, -1.0), dev)
+        native_cuda.histogram(
+            g.contiguous(), seg.start, block_size, cut.get(head, -1.0), cut.get(tail, -1.0), dev
+        )
         counts += dev.cpu().to(torch.float64)
         return
     for c in block_chunks(seg.start, seg.numel, block_size, CHUNK):

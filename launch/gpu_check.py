@@ -253,6 +253,7 @@ def main() -> None:
         t0 = time.perf_counter()
         ok = native_cuda.available()
         report["build_s"] = time.perf_counter() - t0
+        ok = ok and native_cuda.available(device)  # the in-package self-check
         report["build_error"] = native_cuda.build_error()
         if not ok:
             _write(a.out, report)
