@@ -60,8 +60,9 @@ def summarize(rows: list[dict[str, Any]], chosen: list[tasks.Task],
             ok = [r for r in runs if r["status"] == "ok"]
             bad = [r for r in runs if r["status"] != "ok"]
             cell: dict[str, Any] = dict(label=peers.PEERS[opt].label, seeds=[r["seed"] for r in ok])
-            if bad and not ok:
-                cell.update(status=bad[0]["status"], reason=bad[0].get("reason", ""))
+            if not ok:
+                cell.update(status=bad[0]["status"] if bad else "missing",
+                            reason=bad[0].get("reason", "") if bad else "no stored run")
                 cells[opt] = cell
                 continue
             cell["status"] = "ok" if not bad else "partial"
@@ -268,7 +269,8 @@ def _fallback_lines(cells: dict, task: tasks.Task, g: dict) -> list[str]:
         if name in missed:
             L += ["", "| tensor | shape | numel | block sizes | state bytes |",
                   "|---|---|---|---|---|"]
-            L += [f"| {t['name']} | {tuple(t['shape'])} | {t['numel']} | "
+            L += [f"| {t['name'].split(chr(39))[1] if chr(39) in t['name'] else t['name']} | "
+                  f"{tuple(t['shape'])} | {t['numel']} | "
                   f"{','.join(map(str, t['block_sizes']))} | {t['state_bytes']} |" for t in fb]
             L.append("")
     return L
@@ -324,12 +326,12 @@ def figures(out: Path, summary: dict, chosen: list[tasks.Task], optimizers: list
     handles, labels = axes.flat[0].get_legend_handles_labels()
     if n < rows * cols:
         list(axes.flat)[-1].legend(handles, labels, loc="center", frameon=False)
-    else:
-        fig.legend(handles, labels, loc="lower center", ncol=5, frameon=False)
+    else:  # no spare panel: the legend goes beside the panels
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.suptitle("Validation loss (mean over seeds; y zoomed on the last 70 % of training)",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=90)
+    fig.savefig(out / "loss_curves.png", dpi=90, bbox_inches="tight")
     plt.close(fig)
 
     for key, fname, xlabel in (("bytes_per_param", "state_bytes.png",

@@ -133,7 +133,8 @@ def settings_of(task: tasks.Task, optimizer: str) -> dict[str, Any]:
 
 def compare(out: Path, task_names: list[str], optimizers: list[str], seeds: list[int],
             scale: float = 1.0, jobs: int = 2, store_path: Path | None = None,
-            timeout: float = 900.0, quiet: bool = False, cmd: str = "") -> Path:
+            timeout: float = 900.0, quiet: bool = False, cmd: str = "",
+            smoke: bool = False) -> Path:
     """Run every missing (task, optimizer, seed), append each to the store as it finishes,
     then write the report into ``out``. Returns the report path."""
     from gefen_dist.bench import report
@@ -142,7 +143,7 @@ def compare(out: Path, task_names: list[str], optimizers: list[str], seeds: list
     st = store.Store(store_path or out / "runs.jsonl")
     rev = store.revision()
     todo = []
-    chosen = [tasks.scaled(tasks.TASKS[t], scale) for t in task_names]
+    chosen = [tasks.scaled(tasks.TASKS[t], scale, smoke) for t in task_names]
     for task in chosen:
         for opt in optimizers:
             for seed in seeds:
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown tasks {bad}; known: {', '.join(tasks.TASKS)}")
     cmd = "python -m gefen_dist.bench compare " + " ".join(sys.argv[1:] if argv is None else argv)
     path = compare(a.out, names, opts, list(range(seeds)), scale, a.jobs, a.store, a.timeout,
-                   cmd=cmd.strip())
+                   cmd=cmd.strip(), smoke=a.smoke)
     print(f"report: {path}")
 
 

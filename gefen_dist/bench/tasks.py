@@ -281,16 +281,18 @@ TASKS: dict[str, Task] = {
 }
 
 
-def scaled(task: Task, scale: float) -> Task:
-    """The same task with ``scale`` x the steps (smoke runs); everything else unchanged."""
-    if scale == 1.0:
+def scaled(task: Task, scale: float, smoke: bool = False) -> Task:
+    """The same task with ``scale`` x the steps; ``smoke`` also cuts the validation set and
+    the number of evaluations (an end-to-end check, not a measurement)."""
+    if scale == 1.0 and not smoke:
         return task
-    h = Hyper(**{**asdict(task.hyper), "steps": max(10, int(task.hyper.steps * scale)),
-                 "evals": min(task.hyper.evals, 4)})
+    h = dict(asdict(task.hyper), steps=max(10, int(task.hyper.steps * scale)))
     sizes = dict(task.sizes)
-    if "val_batches" in sizes:
-        sizes["val_batches"] = 2
-    return Task(task.name, task.label, task.kind, h, sizes)
+    if smoke:
+        h["evals"] = min(task.hyper.evals, 4)
+        if "val_batches" in sizes:
+            sizes["val_batches"] = 2
+    return Task(task.name, task.label, task.kind, Hyper(**h), sizes)
 
 
 @dataclass
