@@ -188,39 +188,9 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
 }
 
 template <int PT, int GT>
-void blocks(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
-            const float* levels, const float* mids, int n_mids, const int32_t* lut, int64_t start,
-            int64_t numel, int64_t block, bool four, const Hyper& h, int threads) {
-  if (numel == 0) return;
-  const int64_t nb = (start + numel - 1) / block - start / block + 1;
-  // at 4 bits two blocks share a byte when a boundary falls on an odd element: run in order
-  const bool serial = four && ((block & 1) || (start & 1));
-  std::vector<float> mp(n_mids + 2);
-  mp[0] = -INFINITY;
-  std::copy(mids, mids + n_mids, mp.begin() + 1);
-  mp[n_mids + 1] = INFINITY;
-  const int64_t width = std::min(block, numel + 1);
-  float pair4[512];  // byte b -> (levels[b & 15], levels[b >> 4]), at 4 bits
-  if (four)
-    for (int b = 0; b < 256; ++b) {
-      pair4[2 * b] = levels[b & 15];
-      pair4[2 * b + 1] = levels[b >> 4];
-    }
-#pragma omp parallel num_threads(serial ? 1 : std::max(threads, 1))
-  {
-    std::vector<float> buf(width);
-    std::vector<int32_t> idx(width);
-#pragma omp for schedule(static)
-    for (int64_t j = 0; j < nb; ++j)
-      one_block<PT, GT>(j, p, g, codes, absmax, v, levels, mp.data(), n_mids, lut, start, numel,
-                        block, four, h, pair4, buf.data(), idx.data());
-  }
-}
-
-template <int PT, int GT>
-void dense(void* p, const void* g, float* m, float* v, int64_t n, const Hyper& h, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 32768)
-  for (int64_t i = 0; i < n; ++i) {
+void dense_range(void* p, const void* g, float* m, float* v, int64_t lo, int64_t hi,
+                 const Hyper& h) {
+  for (int64_t i = lo; i < hi; ++i) {
     const float gi = load(g, i, GT);
     const float pi = load(p, i, PT) * h.decay;
     const float mi = lerp(m[i], gi, h.w);
@@ -232,62 +202,150 @@ void dense(void* p, const void* g, float* m, float* v, int64_t n, const Hyper& h
   }
 }
 
-using BlocksFn = void (*)(void*, const void*, uint8_t*, float*, float*, const float*,
-                          const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
-                          const Hyper&, int);
-using DenseFn = void (*)(void*, const void*, float*, float*, int64_t, const Hyper&, int);
+// The segment table's columns, as csrc/gefen_cuda.h (one table format for both backends).
+enum Meta : int {
+  kP = 0, kG, kCodes, kAbsmax, kV, kLevels, kMids, kStart, kNumel, kBlock, kBits, kPDtype,
+  kGDtype, kExpAvg, kExpAvgSq, kNLevels, kMetaCols
+};
+constexpr int kHypCols = 8;
+constexpr int64_t kDenseTile = 16384;
 
-template <template <int, int> class K, typename Fn>
-Fn pick(int pt, int gt);
+using BlockFn = void (*)(int64_t, void*, const void*, uint8_t*, float*, float*, const float*,
+                         const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
+                         const Hyper&, const float*, float*, int32_t*);
+using DenseFn = void (*)(void*, const void*, float*, float*, int64_t, int64_t, const Hyper&);
 
 template <int PT, int GT>
-struct BlocksK {
-  static constexpr BlocksFn fn = &blocks<PT, GT>;
-};
-template <int PT, int GT>
-struct DenseK {
-  static constexpr DenseFn fn = &dense<PT, GT>;
+struct Fns {
+  static constexpr BlockFn block = &one_block<PT, GT>;
+  static constexpr DenseFn dense = &dense_range<PT, GT>;
 };
 
-template <template <int, int> class K, typename Fn>
-Fn pick(int pt, int gt) {
-  static const Fn table[3][3] = {
-      {K<0, 0>::fn, K<0, 1>::fn, K<0, 2>::fn},
-      {K<1, 0>::fn, K<1, 1>::fn, K<1, 2>::fn},
-      {K<2, 0>::fn, K<2, 1>::fn, K<2, 2>::fn},
-  };
-  if (pt < 0 || pt > 2 || gt < 0 || gt > 2) return nullptr;
-  return table[pt][gt];
+template <int PT>
+bool pick_g(int gt, BlockFn& b, DenseFn& d) {
+  switch (gt) {
+    case F32: b = Fns<PT, F32>::block; d = Fns<PT, F32>::dense; return true;
+    case BF16: b = Fns<PT, BF16>::block; d = Fns<PT, BF16>::dense; return true;
+    case F16: b = Fns<PT, F16>::block; d = Fns<PT, F16>::dense; return true;
+    default: return false;
+  }
 }
+
+bool pick(int pt, int gt, BlockFn& b, DenseFn& d) {
+  switch (pt) {
+    case F32: return pick_g<F32>(gt, b, d);
+    case BF16: return pick_g<BF16>(gt, b, d);
+    case F16: return pick_g<F16>(gt, b, d);
+    default: return false;
+  }
+}
+
+// What a segment needs besides its row: the kernel for its dtypes, the padded midpoints and, at
+// 4 bits, the byte -> two levels table.
+struct Prep {
+  const int64_t* m;
+  Hyper h;
+  BlockFn block_fn;
+  DenseFn dense_fn;
+  bool four, serial;
+  int n_mids;
+  int64_t items;
+  std::vector<float> mp, pair4;
+};
 
 }  // namespace
 
 extern "C" {
 
 int gefen_cpu_lut_cells() { return kLutCells; }
+int gefen_cpu_meta_cols() { return kMetaCols; }
 
-// hyper: beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t),
-//        sqrt(1 - beta2^t), eps. Returns 0, or -1 for an unsupported dtype.
-int gefen_cpu_block_update(void* p, int p_dtype, const void* g, int g_dtype, uint8_t* codes,
-                           float* absmax, float* v, const float* levels, const float* mids,
-                           int n_mids, const int32_t* lut, int64_t start, int64_t numel,
-                           int64_t block, int bits, const float* hyper, int threads) {
-  const BlocksFn fn = pick<BlocksK, BlocksFn>(p_dtype, g_dtype);
-  if (!fn || block < 1 || (bits != 4 && bits != 8)) return -1;
-  Hyper h;
-  std::memcpy(&h, hyper, sizeof(Hyper));
-  fn(p, g, codes, absmax, v, levels, mids, n_mids, lut, start, numel, block, bits == 4, h,
-     threads);
-  return 0;
-}
-
-int gefen_cpu_dense_update(void* p, int p_dtype, const void* g, int g_dtype, float* exp_avg,
-                           float* exp_avg_sq, int64_t numel, const float* hyper, int threads) {
-  const DenseFn fn = pick<DenseK, DenseFn>(p_dtype, g_dtype);
-  if (!fn) return -1;
-  Hyper h;
-  std::memcpy(&h, hyper, sizeof(Hyper));
-  fn(p, g, exp_avg, exp_avg_sq, numel, h, threads);
+// One step over a segment table: ``meta`` (n_seg x 16 int64, the columns of Meta; rows may carry
+// a 17th column, the address of the 8-bit lookup table, see ``lut``), ``hyp`` (n_seg x 8 fp32:
+// beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t), sqrt(1 - beta2^t), eps),
+// ``luts`` (n_seg int64: the nearest-level lookup table of each 8-bit segment, or 0). Blocks and
+// dense tiles of every segment share the threads. Returns 0, or -(row + 1) for a row whose
+// dtypes, bits or block size it refuses (nothing is written then).
+int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, int n_seg,
+                   int threads) {
+  std::vector<Prep> prep(n_seg);
+  std::vector<int64_t> prefix(n_seg + 1, 0);
+  int64_t width = 1;
+  for (int s = 0; s < n_seg; ++s) {
+    Prep& r = prep[s];
+    const int64_t* m = meta + static_cast<int64_t>(s) * kMetaCols;
+    r.m = m;
+    std::memcpy(&r.h, hyp + static_cast<int64_t>(s) * kHypCols, sizeof(Hyper));
+    const int64_t numel = m[kNumel], block = m[kBlock], bits = m[kBits];
+    if (!pick(static_cast<int>(m[kPDtype]), static_cast<int>(m[kGDtype]), r.block_fn,
+              r.dense_fn) ||
+        block < 1 || numel < 0 || (block > 1 && bits != 4 && bits != 8))
+      return -(s + 1);
+    r.four = bits == 4;
+    r.serial = false;
+    r.items = 0;
+    if (numel == 0) {
+    } else if (block == 1) {
+      r.items = (numel + kDenseTile - 1) / kDenseTile;
+    } else {
+      r.n_mids = static_cast<int>(m[kNLevels]) - 1;
+      if (r.n_mids + 1 != (r.four ? 16 : 256)) return -(s + 1);
+      const float* mids = reinterpret_cast<const float*>(m[kMids]);
+      const float* levels = reinterpret_cast<const float*>(m[kLevels]);
+      r.mp.resize(r.n_mids + 2);
+      r.mp[0] = -INFINITY;
+      std::copy(mids, mids + r.n_mids, r.mp.begin() + 1);
+      r.mp[r.n_mids + 1] = INFINITY;
+      if (r.four) {
+        r.pair4.resize(512);
+        for (int b = 0; b < 256; ++b) {
+          r.pair4[2 * b] = levels[b & 15];
+          r.pair4[2 * b + 1] = levels[b >> 4];
+        }
+      } else if (!luts[s]) {
+        return -(s + 1);
+      }
+      r.items = (m[kStart] + numel - 1) / block - m[kStart] / block + 1;
+      // at 4 bits two blocks share a byte when a boundary falls on an odd element: in order
+      r.serial = r.four && ((block & 1) || (m[kStart] & 1));
+      width = std::max(width, std::min(block, numel));
+    }
+    prefix[s + 1] = prefix[s] + (r.serial ? 0 : r.items);
+  }
+  const int64_t total = prefix[n_seg];
+  auto lut_of = [&](int s) { return reinterpret_cast<const int32_t*>(luts[s]); };
+  auto item = [&](int s, int64_t j, float* buf, int32_t* idx) {
+    const Prep& r = prep[s];
+    const int64_t* m = r.m;
+    void* p = reinterpret_cast<void*>(m[kP]);
+    const void* g = reinterpret_cast<const void*>(m[kG]);
+    if (m[kBlock] == 1) {
+      const int64_t lo = j * kDenseTile, hi = std::min(lo + kDenseTile, m[kNumel]);
+      r.dense_fn(p, g, reinterpret_cast<float*>(m[kExpAvg]),
+                 reinterpret_cast<float*>(m[kExpAvgSq]), lo, hi, r.h);
+      return;
+    }
+    r.block_fn(j, p, g, reinterpret_cast<uint8_t*>(m[kCodes]),
+               reinterpret_cast<float*>(m[kAbsmax]), reinterpret_cast<float*>(m[kV]),
+               reinterpret_cast<const float*>(m[kLevels]), r.mp.data(), r.n_mids, lut_of(s),
+               m[kStart], m[kNumel], m[kBlock], r.four, r.h, r.pair4.data(), buf, idx);
+  };
+#pragma omp parallel num_threads(std::max(threads, 1)) if (threads > 1 && total > 1)
+  {
+    std::vector<float> buf(width);
+    std::vector<int32_t> idx(width);
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t it = 0; it < total; ++it) {
+      const int s = static_cast<int>(std::upper_bound(prefix.begin(), prefix.end(), it) -
+                                     prefix.begin()) - 1;
+      item(s, it - prefix[s], buf.data(), idx.data());
+    }
+  }
+  std::vector<float> buf(width);
+  std::vector<int32_t> idx(width);
+  for (int s = 0; s < n_seg; ++s)
+    if (prep[s].serial)
+      for (int64_t j = 0; j < prep[s].items; ++j) item(s, j, buf.data(), idx.data());
   return 0;
 }
 

@@ -22,15 +22,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from . import segment_table as table
 from .codes import nearest_table
-from .reference import Hyper, SegmentState
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "gefen_cpu.cpp"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
@@ -73,28 +71,9 @@ def _build() -> ctypes.CDLL:
                 raise RuntimeError(f"{cxx} failed to build {SOURCE.name}:\n{r.stderr[-2000:]}")
             os.replace(out, lib)  # atomic: concurrent ranks building at once all end the same
     dll = ctypes.CDLL(str(lib))
-    P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    dll.gefen_cpu_block_update.argtypes = [
-        P,
-        I32,
-        P,
-        I32,
-        P,
-        P,
-        P,
-        P,
-        P,
-        I32,
-        P,
-        I64,
-        I64,
-        I64,
-        I32,
-        P,
-        I32,
-    ]
-    dll.gefen_cpu_dense_update.argtypes = [P, I32, P, I32, P, P, I64, P, I32]
-    dll.gefen_cpu_block_update.restype = dll.gefen_cpu_dense_update.restype = I32
+    P, I32 = ctypes.c_void_p, ctypes.c_int
+    dll.gefen_cpu_step.argtypes = [P, P, P, I32, I32]
+    dll.gefen_cpu_step.restype = I32
     dll.gefen_cpu_lut_cells.restype = I32
     return dll
 
@@ -120,79 +99,32 @@ def build_error() -> str | None:
 
 
 def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
-    return p.device.type == "cpu" and p.dtype in DTYPES and g.dtype in DTYPES
+    return p.device.type == "cpu" and p.dtype in table.DTYPES and g.dtype in table.DTYPES
 
 
-def _hyper(h: Hyper) -> np.ndarray:
-    return np.array(
-        [
-            h.beta1,
-            1.0 - h.beta1,
-            h.beta2,
-            1.0 - h.beta2,
-            1.0 - h.lr * h.weight_decay,
-            -h.step_size,
-            h.bc2_sqrt,
-            h.eps,
-        ],
-        dtype=np.float32,
-    )
-
-
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
-
-
-def block_update(
-    p: torch.Tensor,
-    g: torch.Tensor,
-    st: SegmentState,
-    h: Hyper,
-    levels: torch.Tensor,
-    mids: torch.Tensor,
-    bits: int,
-) -> None:
-    """Same contract as ``reference.block_update`` (contiguous CPU tensors)."""
+def step(work: list[tuple]) -> None:
+    """Run every (p, g, segment views, Hyper, levels, mids, bits) in one call: blocks and dense
+    tiles of all segments share the threads. Flat contiguous CPU views."""
+    if not work:
+        return
     lib = load()
-    hyper = _hyper(h)
-    table = nearest_table(mids, lib.gefen_cpu_lut_cells())
-    rc = lib.gefen_cpu_block_update(
-        _ptr(p),
-        DTYPES[p.dtype],
-        _ptr(g),
-        DTYPES[g.dtype],
-        _ptr(st.codes),
-        _ptr(st.absmax),
-        _ptr(st.v),
-        _ptr(levels),
-        _ptr(mids),
-        mids.numel(),
-        _ptr(table),
-        st.start,
-        st.numel,
-        st.block_size,
-        bits,
-        hyper.ctypes.data,
-        torch.get_num_threads(),
+    rows, hyps, luts = [], [], []
+    cells = lib.gefen_cpu_lut_cells()
+    for p, g, st, h, levels, mids, bits in work:
+        if st.numel == 0:
+            continue
+        rows.append(table.row(p, g, st, levels, mids, bits))
+        hyps.append(table.hyper_row(h))
+        blocked8 = st.block_size > 1 and bits == 8
+        luts.append(nearest_table(mids, cells).data_ptr() if blocked8 else 0)
+    if not rows:
+        return
+    meta = torch.tensor(rows, dtype=torch.int64)
+    hyp = torch.tensor(hyps, dtype=torch.float32)
+    lut = torch.tensor(luts, dtype=torch.int64)
+    rc = lib.gefen_cpu_step(
+        meta.data_ptr(), hyp.data_ptr(), lut.data_ptr(), len(rows), torch.get_num_threads()
     )
     if rc != 0:
-        raise RuntimeError(f"gefen_cpu_block_update refused {p.dtype}/{g.dtype}, bits={bits}")
-
-
-def dense_update(p: torch.Tensor, g: torch.Tensor, st: SegmentState, h: Hyper) -> None:
-    """Same contract as ``reference.dense_update`` (contiguous CPU tensors)."""
-    lib = load()
-    hyper = _hyper(h)
-    rc = lib.gefen_cpu_dense_update(
-        _ptr(p),
-        DTYPES[p.dtype],
-        _ptr(g),
-        DTYPES[g.dtype],
-        _ptr(st.exp_avg),
-        _ptr(st.exp_avg_sq),
-        st.numel,
-        hyper.ctypes.data,
-        torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise RuntimeError(f"gefen_cpu_dense_update refused {p.dtype}/{g.dtype}")
+        bad = rows[-rc - 1]
+        raise RuntimeError(f"gefen_cpu_step refused a segment (dtypes, bits or block): {bad}")

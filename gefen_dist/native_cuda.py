@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from . import segment_table as table
 from .reference import Hyper, SegmentState
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -31,7 +32,7 @@ WIDE = 1024
 """Blocks of at least this many elements get a whole thread block (256 threads), shorter ones
 a warp: a warp alone would leave most of a long block's bandwidth unused, a thread block on a
 short one would idle most of its threads."""
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPES = table.DTYPES
 
 _ext: Any = None
 _error: str | None = None
@@ -163,41 +164,6 @@ def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
     return p.device.type == "cuda" and p.dtype in DTYPES and g.dtype in DTYPES
 
 
-def _hyper_row(h: Hyper) -> list[float]:
-    return [
-        h.beta1,
-        1.0 - h.beta1,
-        h.beta2,
-        1.0 - h.beta2,
-        1.0 - h.lr * h.weight_decay,
-        -h.step_size,
-        h.bc2_sqrt,
-        h.eps,
-    ]
-
-
-def _row(p: torch.Tensor, g: torch.Tensor, st: SegmentState, levels, mids, bits) -> list[int]:
-    blocked = st.block_size > 1
-    return [
-        p.data_ptr(),
-        g.data_ptr(),
-        st.codes.data_ptr() if blocked else 0,
-        st.absmax.data_ptr() if blocked else 0,
-        st.v.data_ptr() if blocked else 0,
-        levels.data_ptr() if blocked else 0,
-        mids.data_ptr() if blocked else 0,
-        st.start,
-        st.numel,
-        st.block_size,
-        bits,
-        DTYPES[p.dtype],
-        DTYPES[g.dtype],
-        0 if blocked else st.exp_avg.data_ptr(),
-        0 if blocked else st.exp_avg_sq.data_ptr(),
-        levels.numel() if blocked else 0,
-    ]
-
-
 def _table(rows, hyps, counts, device):
     prefix = [0]
     for c in counts:
@@ -233,8 +199,8 @@ def step(work: list[tuple]) -> None:
             key = "wide" if st.block_size >= WIDE else "narrow"
             count = (st.start + st.numel - 1) // st.block_size - st.start // st.block_size + 1
         rows, hyps, counts = groups[key]
-        rows.append(_row(p, g, st, levels, mids, bits))
-        hyps.append(_hyper_row(h))
+        rows.append(table.row(p, g, st, levels, mids, bits))
+        hyps.append(table.hyper_row(h))
         counts.append(count)
     with torch.cuda.device(device):
         for key, (rows, hyps, counts) in groups.items():

@@ -243,7 +243,8 @@ class Gefen(Optimizer):
         # wrappers (ZeRO) may show one param group per call: registered buffers count too
         known = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._initialized = all(self.state.get(p) for p in known + list(self._segments))
-        cuda_work: list[tuple] = []
+        cuda_work: list[tuple] = []  # one call / three launches for all native segments
+        cpu_work: list[tuple] = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -271,14 +272,15 @@ class Gefen(Optimizer):
                     gs = flat_g[offset : offset + seg.numel]
                     if impl == "cuda":
                         cuda_work.append((ps, gs, seg, h, levels, mids, bits))
-                    elif seg.block_size == 1:
-                        (native_cpu.dense_update if impl == "cpu" else dense_update)(ps, gs, seg, h)
                     elif impl == "cpu":
-                        native_cpu.block_update(ps, gs, seg, h, levels, mids, bits)
+                        cpu_work.append((ps, gs, seg, h, levels, mids, bits))
+                    elif seg.block_size == 1:
+                        dense_update(ps, gs, seg, h)
                     elif impl == "numba":
                         cpu_kernel.block_update(ps, gs, seg, h, levels, mids, bits)
                     else:
                         block_update(ps, gs, seg, h, levels, mids, bits)
+        native_cpu.step(cpu_work)
         for device in {w[0].device for w in cuda_work}:
             native_cuda.step([w for w in cuda_work if w[0].device == device])
         return loss

@@ -1,0 +1,64 @@
+"""The segment table both native backends take: one row per segment, rebuilt every step.
+
+Why a table and not a call per segment: a step touches hundreds of tensors, and FSDP/ZeRO hand
+each rank pieces of many tensors in one flat buffer. One row per segment (addresses, offsets,
+block size, dtypes, this step's hyperparameters) lets one call on the CPU, or three launches on
+a GPU, cover every segment, and an lr schedule changes only numbers in rows. Rebuilt each step
+because gradients may be new tensors (``zero_grad(set_to_none=True)``); a few hundred rows.
+
+Columns are those of ``csrc/gefen_cuda.h`` (``Meta``, ``Hyp``); the CPU kernel uses the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import Hyper, SegmentState
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+META_COLS = 16
+HYP_COLS = 8
+
+
+def row(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    st: SegmentState,
+    levels: torch.Tensor,
+    mids: torch.Tensor,
+    bits: int,
+) -> list[int]:
+    blocked = st.block_size > 1
+    return [
+        p.data_ptr(),
+        g.data_ptr(),
+        st.codes.data_ptr() if blocked else 0,
+        st.absmax.data_ptr() if blocked else 0,
+        st.v.data_ptr() if blocked else 0,
+        levels.data_ptr() if blocked else 0,
+        mids.data_ptr() if blocked else 0,
+        st.start,
+        st.numel,
+        st.block_size,
+        bits,
+        DTYPES[p.dtype],
+        DTYPES[g.dtype],
+        0 if blocked else st.exp_avg.data_ptr(),
+        0 if blocked else st.exp_avg_sq.data_ptr(),
+        levels.numel() if blocked else 0,
+    ]
+
+
+def hyper_row(h: Hyper) -> list[float]:
+    """beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t), sqrt(1 - beta2^t),
+    eps: computed in double here, rounded to fp32 once, as torch does with Python scalars."""
+    return [
+        h.beta1,
+        1.0 - h.beta1,
+        h.beta2,
+        1.0 - h.beta2,
+        1.0 - h.lr * h.weight_decay,
+        -h.step_size,
+        h.bc2_sqrt,
+        h.eps,
+    ]
