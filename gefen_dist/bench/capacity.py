@@ -53,6 +53,11 @@ class Setup:
     budget_mib: float = 260.0
 
 
+DIST_OPTIMIZERS = ("adamw", "gefen4", "gefen8", "bnb_adamw8bit", "torchao_adamw4bit", "adam_mini")
+"""Under DDP/FSDP2: AdamW, Gefen, and the smallest-state peer of each kind with momentum
+(8-bit, 4-bit, shared-v); torchao 8-bit keeps what bitsandbytes does and SM3 what Adam-mini
+does (4 bytes/param of momentum), so each mode stays ~6 minutes on 2 shared cores."""
+
 SMOKE = Setup(n_layer=1, n_head=4, n_embd=256, block_size=16, steps=2, budget_mib=52.0)
 
 
@@ -322,9 +327,10 @@ def search(fits: Callable[[int], bool], start: int = 1, b_max: int = 4096,
 
 
 def capacity(optimizer: str, mode: str, setup: Setup, guess: int = 1,
-             log: Callable[[dict], None] = lambda r: None, first: dict | None = None) -> dict:
+             log: Callable[[dict], None] = lambda r: None,
+             first: list[dict] | None = None) -> dict:
     """Search one optimizer's largest fitting microbatch; every probe is kept."""
-    probes: list[dict] = [first] if first else []
+    probes: list[dict] = list(first or [])
     failed: list[str] = []
 
     def fits(b: int) -> bool:
@@ -337,7 +343,7 @@ def capacity(optimizer: str, mode: str, setup: Setup, guess: int = 1,
         return r["fits"]
 
     try:
-        best = search(fits, guess, known={first["b"]: first["fits"]} if first else None)
+        best = search(fits, guess, known={p["b"]: p["fits"] for p in probes if p["ok"]})
     except _Stop:
         return dict(optimizer=optimizer, mode=mode, best=None, error=failed[-1],
                     probes=probes)
@@ -372,25 +378,45 @@ def guess_from(slope: float | None, one: dict | None, budget: float) -> int:
     return max(1, 1 + int((budget - one["net_peak_bytes"]) / slope))
 
 
+def secant(one: dict, other: dict, budget: float) -> int | None:
+    """The b where the line through two probes' net peaks meets the budget."""
+    if not (one.get("ok") and other.get("ok")) or other["b"] == one["b"]:
+        return None
+    slope = (other["net_peak_bytes"] - one["net_peak_bytes"]) / (other["b"] - one["b"])
+    if slope <= 0:
+        return None
+    return max(1, one["b"] + int((budget - one["net_peak_bytes"]) / slope))
+
+
 def run_mode(mode: str, optimizers: list[str], setup: Setup,
              log: Callable[[dict], None]) -> list[dict]:
-    """All optimizers under one mode; the first one's probes give the per-sample slope."""
+    """All optimizers under one mode. The first searches from b = 1; each later one probes
+    b = 1 and a guess from the first one's per-sample slope, then searches from where the line
+    through its own two probes meets the budget (fewer probes; every answer still probed)."""
     results: list[dict] = []
     slope = None
+    budget = setup.budget_mib * MiB
     for name in optimizers:
-        guess = 1
-        if slope:
-            one = run_probe(name, 1, mode, setup)
-            log(one)
-            if not one["ok"]:
-                results.append(dict(optimizer=name, mode=mode, best=None,
-                                    error=one["error"], probes=[one]))
-                continue
-            guess = guess_from(slope, one, setup.budget_mib * MiB)
-            res = capacity(name, mode, setup, guess, log, first=one)
-        else:
+        if not slope:
             res = capacity(name, mode, setup, 1, log)
             slope = per_sample_slope(res["probes"])
+            results.append(res)
+            continue
+        one = run_probe(name, 1, mode, setup)
+        log(one)
+        if not one["ok"]:
+            results.append(dict(optimizer=name, mode=mode, best=None, error=one["error"],
+                                probes=[one]))
+            continue
+        known = [one]
+        guess = guess_from(slope, one, budget)
+        if guess > 1 and one["fits"]:
+            two = run_probe(name, guess, mode, setup)
+            log(two)
+            if two["ok"]:
+                known.append(two)
+                guess = secant(one, two, budget) or guess
+        res = capacity(name, mode, setup, guess, log, first=known)
         results.append(res)
     return results
 
@@ -452,7 +478,8 @@ def plot(results: list[dict], path: Path, setup: Setup) -> None:
     from gefen_dist.bench import peers
 
     modes = list(dict.fromkeys(r["mode"] for r in results))
-    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 5), squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(max(8.0, 5.8 * len(modes)), 5.5),
+                             squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         rs = [r for r in results if r["mode"] == mode]
         labels = [peers.PEERS[r["optimizer"]].label.replace(" (", "\n(") for r in rs]
@@ -472,8 +499,10 @@ def plot(results: list[dict], path: Path, setup: Setup) -> None:
         ax.set_xlabel("largest microbatch that fits (sequences per rank)")
         ax.set_title(f"{mode}: budget {setup.budget_mib:.0f} MiB net RSS per rank")
         ax.set_xlim(0, max(vals + [1]) * 1.45)
-    fig.suptitle(f"GPT {setup.n_layer}x{setup.n_embd}, seq {setup.block_size}; green: Gefen, "
-                 "blue: peers with momentum, gray: no momentum", fontsize=10)
+    fig.suptitle(f"Largest microbatch under the same memory budget: GPT {setup.n_layer} layers "
+                 f"x d={setup.n_embd}, seq {setup.block_size}, CPU\n"
+                 "green: Gefen, blue: peers with momentum, gray: no momentum; "
+                 "tokens/s at that microbatch in brackets", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -487,13 +516,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--optimizers", default=",".join(peers.PEERS),
                     help="the first one sets the per-sample slope; AdamW by default")
     ap.add_argument("--modes", default="single,ddp,fsdp2")
+    ap.add_argument("--dist-optimizers", default=",".join(DIST_OPTIMIZERS),
+                    help="those run under DDP and FSDP2 (time: ~1 min per optimizer and mode)")
     ap.add_argument("--budget-mib", type=float, help="net peak RSS per rank (MiB)")
     ap.add_argument("--n-embd", type=int)
     ap.add_argument("--n-layer", type=int)
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny model, AdamW and Gefen 4-bit, single process (< 60 s)")
+    ap.add_argument("--replot", action="store_true",
+                    help="rewrite capacity.md and capacity.png from --out's capacity.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        _write(Path(args.out), None)
+        return
     setup = SMOKE if args.smoke else Setup()
     over = {k: v for k, v in dict(budget_mib=args.budget_mib, n_embd=args.n_embd,
                                   n_layer=args.n_layer, block_size=args.block_size).items()
@@ -518,22 +554,38 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {r['mode']:6} {r['optimizer']:18} b={r['b']:4}  error: "
                   f"{r['error'][-200:]}", flush=True)
 
+    dist_opts = [o for o in args.dist_optimizers.split(",") if o in optimizers]
     results: list[dict] = []
     for mode in modes:
         print(f"{mode}:", flush=True)
-        results += run_mode(mode, optimizers, setup, log)
-    md = table(results, setup)
+        results += run_mode(mode, optimizers if mode == "single" else dist_opts, setup, log)
+        (out / "capacity.json").write_text(json.dumps(dict(
+            setup=asdict(setup), results=results, wall_s=time.perf_counter() - t0), indent=1))
+    _write(out, dict(setup=asdict(setup), results=results,
+                     wall_s=time.perf_counter() - t0))
+
+
+def _write(out: Path, data: dict | None) -> None:
+    """capacity.json (when given new data), capacity.md and capacity.png."""
+    if data is None:
+        data = json.loads((out / "capacity.json").read_text())
+        if "wall_s" not in data and (out / "capacity.md").exists():  # written by an older run
+            import re
+
+            m = re.search(r"Wall time (\d+) s", (out / "capacity.md").read_text())
+            data["wall_s"] = float(m.group(1)) if m else float("nan")
+    setup, results = Setup(**data["setup"]), data["results"]
     lines = verdict(results)
+    data["verdict"] = lines
     text = (f"Budget: {setup.budget_mib:.0f} MiB of net peak RSS per rank (VmHWM of the forked "
             f"probe minus its RSS at the fork: every optimizer imported and warmed up in the "
             f"parent, so the baseline is the same for all). GPT {setup.n_layer} layers, "
             f"d={setup.n_embd}, {setup.n_head} heads, seq {setup.block_size}, byte-level, "
             f"stdlib corpus; {setup.steps} steps per probe, tokens/s from the median step after "
-            f"the first (all ranks' tokens). Wall time {time.perf_counter() - t0:.0f} s.\n\n"
-            + md + "\n\n" + "\n".join(f"- {v}" for v in lines) + "\n")
+            f"the first (all ranks' tokens). Wall time {data['wall_s']:.0f} s.\n\n"
+            + table(results, setup) + "\n\n" + "\n".join(f"- {v}" for v in lines) + "\n")
     (out / "capacity.md").write_text(text)
-    (out / "capacity.json").write_text(json.dumps(dict(setup=asdict(setup), results=results,
-                                                       verdict=lines), indent=1))
+    (out / "capacity.json").write_text(json.dumps(data, indent=1))
     plot(results, out / "capacity.png", setup)
     print(text)
 
