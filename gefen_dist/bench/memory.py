@@ -117,7 +117,9 @@ def first_gradients(model: nn.Module, s: Shape, ids: torch.Tensor,
 
     The vocabulary matrices are frozen during the backward (their parameters and gradients
     would not fit next to each other at 8B) and their gradients formed afterwards from the
-    captured upstream gradients: exactly the sums autograd would form."""
+    captured upstream gradients: exactly the sums autograd would form. The model's parameters
+    are released (emptied) before that, so its weights and the vocabulary gradients are never
+    held together; the model is unusable afterwards."""
     mods = dict(model.named_modules())
     emb_mod, head_mod = mods[emb[0]], mods[head[0]]
     vocab_params = {id(emb_mod.weight), id(head_mod.weight)}
@@ -146,12 +148,16 @@ def first_gradients(model: nn.Module, s: Shape, ids: torch.Tensor,
     for h in hooks:
         h.remove()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    tied = emb_mod.weight is head_mod.weight
+    for p in model.parameters():
+        p.grad = None
+        p.data = torch.empty(0)
     dlog = cap["logits"].grad.reshape(-1, s.vocab)
     head_grad = dlog.t() @ cap["h"].reshape(-1, s.d)
     del dlog, cap["logits"]
     x0g = cap["x0"].grad.reshape(-1, s.d)
     emb_grad = torch.zeros(s.vocab, s.d).index_add_(0, x.reshape(-1), x0g)
-    if emb_mod.weight is head_mod.weight:
+    if tied:
         grads[emb[0] + ".weight"] = emb_grad.add_(head_grad)
     else:
         grads[emb[0] + ".weight"] = emb_grad
@@ -263,10 +269,10 @@ def measure_model(s: Shape, optimizers: list[str], batch: int = 2, seq: int = 12
     model, emb, head = build_model(s, s.n_layer if full else 1)
     info = dict(dim=s.d, n_heads=s.n_head, n_kv_heads=s.n_kv_head or s.n_head)
     ids = tokens(s.vocab, batch, min(seq, s.ctx))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     grads = first_gradients(model, s, ids, emb, head)
     print(f"  {s.name}: backward done at {time.perf_counter() - t0:.0f} s", file=sys.stderr,
           flush=True)
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     del model
     rows = []
     for name in list(grads):
@@ -426,6 +432,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--all-layers", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--replot", action="store_true",
+                    help="rewrite memory.md and memory.png from --out's memory.json")
     args = ap.parse_args(argv)
     optimizers = [o for o in args.optimizers.split(",") if o]
     if args.child:
@@ -436,6 +444,14 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(json.dumps(rec, indent=1))
         return
     out = Path(args.out)
+    if args.replot:
+        data = json.loads((out / "memory.json").read_text())
+        records = []
+        for r in data["records"]:  # the per-model files are the source (a model may be rerun)
+            f = out / f"{r['model']['name']}{'_full' if r['full'] else ''}.json"
+            records.append(json.loads(f.read_text()) if f.exists() else r)
+        _write(out, records, data["optimizers"])
+        return
     out.mkdir(parents=True, exist_ok=True)
     records = []
     todo = [(m, False) for m in args.models.split(",") if m]
@@ -446,6 +462,11 @@ def main(argv: list[str] | None = None) -> None:
         records.append(run_model(m, optimizers, out, full, args.batch, args.seq))
         print(f"  done in {time.perf_counter() - t:.0f} s, peak RSS "
               f"{gib(records[-1]['peak_rss_bytes']):.2f} GiB", flush=True)
+    _write(out, records, optimizers)
+
+
+def _write(out: Path, records: list[dict], optimizers: list[str]) -> None:
+    """memory.md, memory.json and memory.png from the per-model records."""
     md = table(records, optimizers)
     (out / "memory.md").write_text(md + "\n\nGefen's blocks:\n\n" + blocks_table(records) + "\n")
     (out / "memory.json").write_text(json.dumps(dict(records=records, paper=PAPER,
