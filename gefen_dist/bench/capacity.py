@@ -194,16 +194,39 @@ def probe(spec: dict, rank: int = 0) -> dict:
                 torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - t0)
     except Exception as e:  # a peer that refuses this wrapping (e.g. DTensor) is reported
-        return dict(out, error=f"{type(e).__name__}: {str(e)[:300]}")
+        import traceback
+
+        where = traceback.format_exc().strip().splitlines()[-3:-1]
+        return dict(out, error=f"{type(e).__name__}: {str(e)[:300]} at {' | '.join(where)}")
     out.update(
         peak_bytes=_peak_rss(),
         step_s=statistics.median(times[1:] or times),
-        state_bytes=peers.state_bytes(opt),
+        state_bytes=_state_bytes(opt),
         loss=float(loss.detach()),
     )
     if dev is not None:
         out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
     return out
+
+
+def _state_bytes(opt) -> int:
+    """``peers.state_bytes``; for FSDP2's DTensor state (which it does not unpack in this
+    torch), the bytes of each state tensor's local shard, each storage once."""
+    from gefen_dist.bench import peers
+
+    try:
+        return peers.state_bytes(opt)
+    except AttributeError:
+        seen: dict[int, int] = {}
+        for st in opt.state.values():
+            for v in st.values():
+                if hasattr(v, "to_local"):
+                    v = v.to_local()
+                if isinstance(v, __import__("torch").Tensor):
+                    for leaf in peers._leaves(v):
+                        s = leaf.untyped_storage()
+                        seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+        return sum(seen.values())
 
 
 def _rank_main(spec: dict, rank: int, world: int, port: int, conn) -> None:
@@ -224,7 +247,10 @@ def _rank_main(spec: dict, rank: int, world: int, port: int, conn) -> None:
         if world > 1:
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001  the parent must hear of every failure
-        conn.send(dict(rank=rank, error=f"{type(e).__name__}: {str(e)[:300]}"))
+        import traceback
+
+        where = " | ".join(traceback.format_exc().strip().splitlines()[-3:-1])
+        conn.send(dict(rank=rank, error=f"{type(e).__name__}: {str(e)[:300]} at {where}"))
         code = 1
     finally:
         os._exit(code)
