@@ -67,15 +67,23 @@ def _torchao(bits):
     return build
 
 
-def _adam_mini(params, model, lr, betas, eps, weight_decay, dim=None, n_heads=None,
-               n_kv_heads=None, **_):
+def _adam_mini(
+    params, model, lr, betas, eps, weight_decay, dim=None, n_heads=None, n_kv_heads=None, **_
+):
     mod = _import("adam_mini")
     kw = {}
     if dim is not None:
         kw = dict(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads or n_heads)
     # Adam-mini reads the module names to find embeddings, heads and attention
-    return mod.Adam_mini(model.named_parameters(), lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay, verbose=False, **kw)
+    return mod.Adam_mini(
+        model.named_parameters(),
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        verbose=False,
+        **kw,
+    )
 
 
 def _adafactor(params, model, lr, betas, eps, weight_decay, **_):
@@ -133,8 +141,9 @@ def build(
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
     try:
-        return peer.build(params, model, lr * peer.lr_scale, tuple(betas), eps, weight_decay,
-                          **model_info)
+        return peer.build(
+            params, model, lr * peer.lr_scale, tuple(betas), eps, weight_decay, **model_info
+        )
     except Unavailable:
         raise
     except Exception as e:  # a peer that refuses this model is skipped, with its reason
