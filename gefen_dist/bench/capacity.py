@@ -455,19 +455,20 @@ def table(results: list[dict], setup: Setup) -> str:
     """Markdown: per mode and optimizer, the largest fitting microbatch and its measurements."""
     from gefen_dist.bench import peers
 
-    lines = ["| mode | optimizer | momentum | largest microbatch | tokens/s | net peak MiB | "
-             "baseline MiB | total peak MiB | state MiB/rank | probes |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | budget MiB | optimizer | momentum | largest microbatch | tokens/s | "
+             "net peak MiB | baseline MiB | total peak MiB | state MiB/rank | probes |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         peer = peers.PEERS[r["optimizer"]]
         n = len(r["probes"])
+        mode = f"{r['mode']} | {r.get('budget_mib', setup.budget_mib):.0f}"
         if r.get("best") is None:
-            lines.append(f"| {r['mode']} | {peer.label} | {peer.momentum} | n/a: "
+            lines.append(f"| {mode} | {peer.label} | {peer.momentum} | n/a: "
                          f"{r['error'][:80]} | | | | | | {n} |")
             continue
         tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-"
         state = f"{r['state_bytes'] / MiB:.1f}" if r.get("state_bytes") is not None else "-"
-        lines.append(f"| {r['mode']} | {peer.label} | {peer.momentum} | {r['best']} | {tps} | "
+        lines.append(f"| {mode} | {peer.label} | {peer.momentum} | {r['best']} | {tps} | "
                      f"{_mib(r, 'net_peak_bytes')} | {_mib(r, 'baseline_bytes')} | "
                      f"{_mib(r, 'peak_bytes')} | {state} | {n} |")
     return "\n".join(lines)
@@ -523,9 +524,10 @@ def plot(results: list[dict], path: Path, setup: Setup) -> None:
         ax.set_yticklabels(labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("largest microbatch that fits (sequences per rank)")
-        ax.set_title(f"{mode}: budget {setup.budget_mib:.0f} MiB net RSS per rank")
+        budget = rs[0].get("budget_mib", setup.budget_mib)
+        ax.set_title(f"{mode}: budget {budget:.0f} MiB net RSS per rank")
         ax.set_xlim(0, max(vals + [1]) * 1.45)
-    fig.suptitle(f"Largest microbatch under the same memory budget: GPT {setup.n_layer} layers "
+    fig.suptitle(f"Largest microbatch under a memory budget: GPT {setup.n_layer} layers "
                  f"x d={setup.n_embd}, seq {setup.block_size}, CPU\n"
                  "green: Gefen, blue: peers with momentum, gray: no momentum; "
                  "tokens/s at that microbatch in brackets", fontsize=10)
@@ -550,11 +552,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny model, AdamW and Gefen 4-bit, single process (< 60 s)")
+    ap.add_argument("--merge", action="append", default=[], metavar="DIR",
+                    help="with --replot: take these runs' modes (their own budgets) from DIR")
     ap.add_argument("--replot", action="store_true",
                     help="rewrite capacity.md and capacity.png from --out's capacity.json")
     args = ap.parse_args(argv)
     if args.replot:
-        _write(Path(args.out), None)
+        _write(Path(args.out), None, [Path(m) for m in args.merge])
         return
     setup = SMOKE if args.smoke else Setup()
     over = {k: v for k, v in dict(budget_mib=args.budget_mib, n_embd=args.n_embd,
@@ -591,8 +595,9 @@ def main(argv: list[str] | None = None) -> None:
                      wall_s=time.perf_counter() - t0))
 
 
-def _write(out: Path, data: dict | None) -> None:
-    """capacity.json (when given new data), capacity.md and capacity.png."""
+def _write(out: Path, data: dict | None, merge: list[Path] | None = None) -> None:
+    """capacity.json (when given new data), capacity.md and capacity.png; ``merge``: other
+    runs' folders whose modes replace this run's (e.g. FSDP2 run with its own budget)."""
     if data is None:
         data = json.loads((out / "capacity.json").read_text())
         if "wall_s" not in data and (out / "capacity.md").exists():  # written by an older run
@@ -601,14 +606,26 @@ def _write(out: Path, data: dict | None) -> None:
             m = re.search(r"Wall time (\d+) s", (out / "capacity.md").read_text())
             data["wall_s"] = float(m.group(1)) if m else float("nan")
     setup, results = Setup(**data["setup"]), data["results"]
+    for r in results:
+        r.setdefault("budget_mib", setup.budget_mib)
+    for other in merge or []:
+        more = json.loads((other / "capacity.json").read_text())
+        budget = more["setup"]["budget_mib"]
+        done = {r["mode"] for r in more["results"]}
+        results[:] = [r for r in results if r["mode"] not in done]
+        results += [dict(r, budget_mib=r.get("budget_mib", budget)) for r in more["results"]]
+        data.setdefault("merged", []).append(dict(dir=str(other), setup=more["setup"],
+                                                  wall_s=more.get("wall_s")))
     lines = verdict(results)
     data["verdict"] = lines
+    extra = "".join(f" Merged: {m['dir']} (budget {m['setup']['budget_mib']:.0f} MiB, "
+                    f"{m['wall_s'] or float('nan'):.0f} s)." for m in data.get("merged", []))
     text = (f"Budget: {setup.budget_mib:.0f} MiB of net peak RSS per rank (VmHWM of the forked "
             f"probe minus its RSS at the fork: every optimizer imported and warmed up in the "
             f"parent, so the baseline is the same for all). GPT {setup.n_layer} layers, "
             f"d={setup.n_embd}, {setup.n_head} heads, seq {setup.block_size}, byte-level, "
             f"stdlib corpus; {setup.steps} steps per probe, tokens/s from the median step after "
-            f"the first (all ranks' tokens). Wall time {data['wall_s']:.0f} s.\n\n"
+            f"the first (all ranks' tokens). Wall time {data['wall_s']:.0f} s.{extra}\n\n"
             + table(results, setup) + "\n\n" + "\n".join(f"- {v}" for v in lines) + "\n")
     (out / "capacity.md").write_text(text)
     (out / "capacity.json").write_text(json.dumps(data, indent=1))
