@@ -488,10 +488,13 @@ def verdict(results: list[dict]) -> list[str]:
                       and peers.PEERS[o].momentum and r.get("best") is not None]
             beaten = [o for o in others if rs[g]["best"] > rs[o]["best"]]
             lost = [f"{o} ({rs[o]['best']})" for o in others if o not in beaten]
-            ok = not lost
-            out.append(f"{mode}: {peers.PEERS[g].label} microbatch {rs[g]['best']} "
-                       f"{'>' if ok else 'not >'} every momentum peer"
-                       + ("" if ok else f"; not larger than {', '.join(lost)}"))
+            label = f"{mode}: {peers.PEERS[g].label} microbatch {rs[g]['best']}"
+            if not others or not rs[g]["best"]:
+                out.append(f"{label}: no comparison (nothing fitted or no momentum peer ran)")
+            elif lost:
+                out.append(f"{label} not > every momentum peer; not larger than {', '.join(lost)}")
+            else:
+                out.append(f"{label} > every momentum peer that ran ({', '.join(others)})")
     return out
 
 
