@@ -170,3 +170,24 @@ def test_bench_main_lists_subcommands_and_rejects_unknown():
     assert p.returncode == 2
     for cmd in ("compare", "memory", "capacity"):
         assert cmd in p.stderr
+
+
+def test_state_bytes_counts_fsdp2_state_by_local_shard(tmp_path):
+    """FSDP2 keeps DTensor state: count what this rank holds (its shard), not fail."""
+    code = (
+        "import os, torch, torch.distributed as dist\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29541')\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "from gefen_dist.bench.peers import state_bytes\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))\n"
+        "fully_shard(m)\n"
+        "opt = torch.optim.AdamW(m.parameters())\n"
+        "m(torch.randn(4, 64)).sum().backward(); opt.step()\n"
+        "n = sum(p.numel() for p in m.parameters())\n"
+        "print(state_bytes(opt) - 8 * n)\n"
+        "dist.destroy_process_group()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "16"  # m and v, plus four fp32 step counters

@@ -171,6 +171,10 @@ def set_lr(opt: torch.optim.Optimizer, factor: float) -> None:
 
 
 def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    from gefen_dist.sharding import is_dtensor, local
+
+    if is_dtensor(t):  # FSDP2 state: count this rank's shard, not the global tensor
+        return _leaves(local(t))
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         return [leaf for n in names for leaf in _leaves(getattr(t, n))]
