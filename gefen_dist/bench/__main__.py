@@ -12,7 +12,7 @@ import sys
 COMMANDS = {
     "compare": ("gefen_dist.bench.suite", "quality suite: every optimizer on every task"),
     "memory": ("gefen_dist.bench.memory", "optimizer-state memory measurements"),
-    "capacity": ("gefen_dist.bench.capacity", "largest model that fits"),
+    "capacity": ("gefen_dist.bench.capacity", "largest microbatch under a memory budget"),
 }
 
 
