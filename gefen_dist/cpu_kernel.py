@@ -1,4 +1,5 @@
-"""The CPU backend: the reference block update fused into one numba pass per block.
+"""The numba CPU fallback (where no C++ compiler builds ``csrc/gefen_cpu.cpp``): the reference
+block update fused into one numba pass per block.
 
 Why: the reference spends most of a step in ``torch.bucketize`` and in tensor temporaries; here
 each block is read once for v and the new absmax and once more to write codes, with no

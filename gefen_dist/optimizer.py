@@ -2,9 +2,10 @@
 
 At the first step at which a parameter has a gradient, its block size is chosen from g0^2
 (``partition``); at the first step of all, the codebook of m is learned once from a histogram of
-block-normalised g0 (``codebook``). Later steps run the reference update (``reference``) over the
-parameter's segments (``segments``, ``state``). The optimizer never needs names, shapes beyond the
-tensors' own, or any setting AdamW does not have, other than ``bits``.
+block-normalised g0 (``codebook``). Later steps run the update ``reference`` spells out over the
+parameter's segments (``segments``, ``state``), through the native kernels where they serve
+(``native_cpu``, ``native_cuda``; see ``Gefen.backend``). The optimizer never needs names, shapes
+beyond the tensors' own, or any setting AdamW does not have, other than ``bits``.
 
 Distributed integrations hand the optimizer each buffer's segments (``set_segments``) and replace
 ``_reduce_stats`` / ``_reduce_histogram`` by collectives, so every rank chooses the same blocks
