@@ -102,8 +102,10 @@ def test_smoke_capacity_gefen_fits_at_least_adamw(tmp_path):
     capacity.main(["--smoke", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "capacity.json").read_text())
     best = {r["optimizer"]: r["best"] for r in data["results"]}
-    assert best["adamw"] is not None and best["adamw"] >= 1
-    assert best["gefen4"] >= best["adamw"]
+    assert best["gefen4"] >= 1 and best["gefen4"] >= (best["adamw"] or 0)
+    # the state gap (~24 MiB) is well above the RSS noise of a probe (5-10 MiB)
+    at1 = {r["optimizer"]: next(p for p in r["probes"] if p["b"] == 1) for r in data["results"]}
+    assert at1["gefen4"]["net_peak_bytes"] < at1["adamw"]["net_peak_bytes"]
     for r in data["results"]:
         for p in r["probes"]:
             assert p["ok"] and p["peak_bytes"] > p["baseline_bytes"] > 0

@@ -58,7 +58,7 @@ DIST_OPTIMIZERS = ("adamw", "gefen4", "gefen8", "bnb_adamw8bit", "torchao_adamw4
 (8-bit, 4-bit, shared-v); torchao 8-bit keeps what bitsandbytes does and SM3 what Adam-mini
 does (4 bytes/param of momentum), so each mode stays ~6 minutes on 2 shared cores."""
 
-SMOKE = Setup(n_layer=1, n_head=8, n_embd=512, block_size=8, steps=2, budget_mib=95.0)
+SMOKE = Setup(n_layer=1, n_head=8, n_embd=512, block_size=8, steps=2, budget_mib=110.0)
 
 
 def rss_now() -> int:
