@@ -11,6 +11,9 @@ sitting on a codebook midpoint may round the other way; the tests bound both.
 At 4 bits two neighbouring blocks share a byte when a block boundary falls on an odd element;
 such segments run block after block instead of in parallel. The kernel uses as many threads as
 torch does (``torch.set_num_threads``).
+
+Column segments (``reference.column_update``) run here on every CPU backend, in one thread: two
+passes over the segment in memory order, with the column sums and maxima in two row-sized buffers.
 """
 
 from __future__ import annotations
@@ -101,8 +104,84 @@ def _blocks_serial(p, g, codes, absmax, v, levels, mids, lut, start, block, four
         _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h)
 
 
+@numba.njit(cache=True)
+def _columns(p, g, codes, absmax, v, levels, mids, lut, period, four, h, sum_sq, amax, denom):
+    b1, w, b2, a2, decay, neg_step, bc2, eps = h
+    n = p.shape[0]
+    nb = absmax.shape[0]
+    k = 0
+    for i in range(n):
+        m = levels[_get(codes, i, four)] * absmax[k]
+        m = m + w * (g[i] - m)
+        sum_sq[k] += np.float64(g[i]) * np.float64(g[i])
+        amax[k] = max(amax[k], abs(m))
+        k += 1
+        if k == period:
+            k = 0
+    for k in range(nb):
+        count = n // period + (1 if k < n % period else 0)
+        vk = v[k] * b2 + a2 * np.float32(sum_sq[k] / count)
+        v[k] = vk
+        denom[k] = np.float32(math.sqrt(vk)) / bc2 + eps
+    k = 0
+    for i in range(n):
+        m = levels[_get(codes, i, four)] * absmax[k]
+        m = m + w * (g[i] - m)
+        p[i] = p[i] * decay + neg_step * m / denom[k]
+        scale = amax[k] if amax[k] > 0 else np.float32(1.0)
+        _put(codes, i, _nearest(m / scale, mids, lut), four)
+        k += 1
+        if k == period:
+            k = 0
+    for k in range(nb):
+        absmax[k] = amax[k]
+
+
 def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype == g.dtype == torch.float32
+
+
+def _hyper(h: Hyper) -> tuple:
+    f32 = np.float32
+    return (
+        f32(h.beta1),
+        f32(1.0 - h.beta1),
+        f32(h.beta2),
+        f32(1.0 - h.beta2),
+        f32(1.0 - h.lr * h.weight_decay),
+        f32(-h.step_size),
+        f32(h.bc2_sqrt),
+        f32(h.eps),
+    )
+
+
+def column_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    st: SegmentState,
+    h: Hyper,
+    levels: torch.Tensor,
+    mids: torch.Tensor,
+    bits: int,
+) -> None:
+    """Same contract as ``reference.column_update`` for fp32 CPU tensors."""
+    nb = st.absmax.numel()
+    _columns(
+        p.detach().numpy(),
+        g.detach().numpy(),
+        st.codes.numpy(),
+        st.absmax.numpy(),
+        st.v.numpy(),
+        levels.numpy(),
+        mids.numpy(),
+        nearest_table(mids, LUT_CELLS).numpy(),
+        -st.block_size,
+        bits == 4,
+        _hyper(h),
+        np.zeros(nb, dtype=np.float64),
+        np.zeros(nb, dtype=np.float32),
+        np.zeros(nb, dtype=np.float32),
+    )
 
 
 def block_update(
@@ -115,17 +194,7 @@ def block_update(
     bits: int,
 ) -> None:
     """Same contract as ``reference.block_update`` for fp32 CPU tensors."""
-    f32 = np.float32
-    hyper = (
-        f32(h.beta1),
-        f32(1.0 - h.beta1),
-        f32(h.beta2),
-        f32(1.0 - h.beta2),
-        f32(1.0 - h.lr * h.weight_decay),
-        f32(-h.step_size),
-        f32(h.bc2_sqrt),
-        f32(h.eps),
-    )
+    hyper = _hyper(h)
     four = bits == 4
     args = (
         p.detach().numpy(),

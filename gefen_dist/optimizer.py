@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from . import codebook as cb
 from . import native_cpu, native_cuda, partition, sharding, state
 from .codes import midpoints
-from .reference import CHUNK, Hyper, block_update, dense_update
+from .reference import CHUNK, Hyper, block_update, column_update, dense_update
 from .segments import Segment, block_chunks, block_runs
 
 try:
@@ -198,7 +198,7 @@ class Gefen(Optimizer):
             flat_g = _flat(sharding.local(p.grad), p, self)
             for seg, key in zip(segs, keys, strict=True):
                 bs = block_of[key]
-                if not isinstance(key, str) or bs == 1:
+                if not isinstance(key, str) or bs <= 1:
                     continue
                 for run in block_runs(seg.start, seg.numel, bs):
                     if run.length < bs:
@@ -271,7 +271,9 @@ class Gefen(Optimizer):
                 for offset, seg in views:
                     ps = flat_p[offset : offset + seg.numel]
                     gs = flat_g[offset : offset + seg.numel]
-                    if impl == "cuda":
+                    if seg.block_size < 0:
+                        self._column_step(impl, ps, gs, seg, h, levels, mids, bits)
+                    elif impl == "cuda":
                         cuda_work.append((ps, gs, seg, h, levels, mids, bits))
                     elif impl == "cpu":
                         cpu_work.append((ps, gs, seg, h, levels, mids, bits))
@@ -285,6 +287,15 @@ class Gefen(Optimizer):
         for device in {w[0].device for w in cuda_work}:
             native_cuda.step([w for w in cuda_work if w[0].device == device])
         return loss
+
+    @staticmethod
+    def _column_step(impl: str, p, g, seg, h, levels, mids, bits) -> None:
+        """Column segments: numba on CPU where it serves, else the reference (on a GPU, torch's
+        own kernels; the CUDA kernels cover contiguous blocks only)."""
+        if impl in ("cpu", "numba") and cpu_kernel is not None and cpu_kernel.supports(p, g):
+            cpu_kernel.column_update(p, g, seg, h, levels, mids, bits)
+        else:
+            column_update(p, g, seg, h, levels, mids, bits)
 
     @property
     def backend(self) -> str:
@@ -360,6 +371,7 @@ class Gefen(Optimizer):
                     flat_g[seg.offset : seg.offset + seg.numel],
                     seg.start,
                     partition.candidate_block_sizes(seg.shape),
+                    partition.column_period(seg.shape),
                 )
                 if not (math.isfinite(st.s1) and math.isfinite(st.s2)):
                     raise ValueError(
@@ -513,7 +525,7 @@ class Gefen(Optimizer):
 def format_memory_report(report: dict[str, Any]) -> str:
     lines = [f"{'tensor':<44} {'numel':>10} {'B':>10} {'state B':>11} {'AdamW B':>11}"]
     for r in report["tensors"]:
-        bs = ",".join(map(str, r["block_sizes"]))
+        bs = ",".join(f"col{-b}" if b < 0 else str(b) for b in r["block_sizes"])
         lines.append(
             f"{r['name'][:44]:<44} {r['numel']:>10} {bs:>10} "
             f"{r['state_bytes']:>11} {r['adamw_bytes']:>11}"
@@ -557,6 +569,9 @@ def _histogram(
     the whole-block absmax of blocks that a shard boundary cuts."""
     if block_size == 1:
         return
+    if block_size < 0:
+        _column_histogram(g, -block_size, counts)
+        return
     if g.is_cuda and g.dtype in native_cuda.DTYPES and native_cuda.available(g.device):
         head, tail = seg.start // block_size, (seg.start + seg.numel - 1) // block_size
         dev = torch.zeros(counts.numel(), dtype=torch.int64, device=g.device)
@@ -573,3 +588,25 @@ def _histogram(
             amax.fill_(whole)
         keep = amax.view(-1) > 0
         cb.histogram(x[keep] / amax[keep], cb.DEFAULT_BINS, out=counts)
+
+
+def _column_histogram(g: torch.Tensor, period: int, counts: torch.Tensor) -> None:
+    """``_histogram`` for column blocks: each of the segment's columns normalised by its own
+    absmax (a column cut by a shard is one block per piece, as its state is)."""
+    n = g.numel()
+    nb = min(n, period)
+    amax = torch.zeros(nb, dtype=torch.float32, device=g.device)
+    step = max(1, CHUNK // period) * period
+    for a in range(0, n, step):
+        x = g[a : min(a + step, n)].float()
+        whole = x.numel() // period * period
+        if whole:
+            torch.maximum(amax, x[:whole].view(-1, period).abs().amax(dim=0), out=amax)
+        tail = x[whole:].abs()
+        torch.maximum(amax[: tail.numel()], tail, out=amax[: tail.numel()])
+    scale = torch.where(amax > 0, amax, torch.ones_like(amax))
+    for a in range(0, n, step):
+        x = g[a : min(a + step, n)].float()
+        cols = torch.arange(x.numel(), device=g.device) % nb
+        keep = amax[cols] > 0
+        cb.histogram(x[keep] / scale[cols][keep], cb.DEFAULT_BINS, out=counts)

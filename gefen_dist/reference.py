@@ -9,6 +9,11 @@ Every native kernel is tested against these functions. Per block of B elements (
     p     = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     absmax, code = max|m| over block, nearest level of m / absmax
 
+Column blocks (block size -P: the segment's element i belongs to block i mod P) follow the same
+formulas with the block's elements strided by P; as v and the new absmax of a column need all of
+its rows before any parameter or code can be written, ``column_update`` reads the segment twice,
+recomputing m in the second pass (the same fp32 operations, so the same m) instead of storing it.
+
 The parameter moves with the unquantised m of this step; only what is stored is quantised, so the
 quantisation error enters once per step instead of compounding through the update. Segments with
 B = 1 keep exact AdamW state (fp32 m and v) and follow torch.optim.AdamW's operations.
@@ -122,3 +127,56 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits) -> None:
     absmax.copy_(amax)
     m.div_(torch.where(amax > 0, amax, torch.ones_like(amax))[:, None])
     write_codes(st.codes, a, b, quantize(m, mids).view(-1), bits)
+
+
+def column_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    st: SegmentState,
+    h: Hyper,
+    levels: torch.Tensor,
+    mids: torch.Tensor,
+    bits: int,
+) -> None:
+    """Shared-v, quantised-m update of a segment with column blocks (``st.block_size`` = -P)."""
+    period, n = -st.block_size, st.numel
+    nb = st.absmax.numel()
+    sum_sq = torch.zeros(nb, dtype=torch.float32, device=p.device)
+    amax = torch.zeros(nb, dtype=torch.float32, device=p.device)
+    for a, b, m, g32 in _column_rows(g, st, h, levels, bits, period):
+        w = m.shape[1]
+        sum_sq[:w] += g32.square().sum(dim=0)
+        torch.maximum(amax[:w], m.abs().amax(dim=0), out=amax[:w])
+    count = torch.full((nb,), float(n // period), device=p.device)
+    count[: n % period] += 1.0
+    st.v.mul_(h.beta2).add_(sum_sq / count, alpha=1.0 - h.beta2)
+    denom = (st.v.sqrt() / h.bc2_sqrt).add_(h.eps)
+    scale = torch.where(amax > 0, amax, torch.ones_like(amax))
+    for a, b, m, _ in _column_rows(g, st, h, levels, bits, period):
+        w = m.shape[1]
+        pc = p[a:b].view(-1, w)
+        p32 = pc if pc.dtype == torch.float32 else pc.float()
+        p32.mul_(1.0 - h.lr * h.weight_decay)
+        p32.addcdiv_(m, denom[:w], value=-h.step_size)
+        if p32 is not pc:
+            pc.copy_(p32)
+        write_codes(st.codes, a, b, quantize(m / scale[:w], mids).view(-1), bits)
+    st.absmax.copy_(amax)
+
+
+def _column_rows(g, st, h, levels, bits, period):
+    """(a, b, m, g) for elements [a, b) of the segment in runs of whole rows of the segment's
+    (rows, P) view (the last row may be short), m this step's first moment (fp32, rows x width)."""
+    n = st.numel
+    rows = max(1, CHUNK // period)
+    for a in range(0, n, rows * period):
+        b = min(a + rows * period, n)
+        whole = (b - a) // period * period
+        for lo, hi in ((a, a + whole), (a + whole, b)):
+            if hi == lo:
+                continue
+            w = period if hi - lo >= period else hi - lo
+            g32 = g[lo:hi].float().view(-1, w)
+            m = levels[read_codes(st.codes, lo, hi, bits).long()].view_as(g32)
+            m.mul_(st.absmax[:w]).lerp_(g32, 1.0 - h.beta1)
+            yield lo, hi, m, g32

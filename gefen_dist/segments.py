@@ -6,6 +6,10 @@ several, and a tensor split over ranks is a segment on each rank. Blocks are lai
 tensor's coordinates (block k covers elements [kB, (k+1)B) of the flattened tensor) and cut at
 segment boundaries, so every rank that holds a piece of a tensor agrees on where blocks lie without
 talking to the others, and no block ever crosses a segment or a shard.
+
+Column blocks (block size -P, see ``partition``) are cut the same way: a segment's block k holds
+its elements i with i = k mod P, so each segment (each rank's piece) keeps its own v and absmax
+per column it holds.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class Run:
 def num_blocks(start: int, numel: int, block_size: int) -> int:
     if numel == 0:
         return 0
+    if block_size < 0:
+        return min(numel, -block_size)
     return (start + numel - 1) // block_size - start // block_size + 1
 
 

@@ -4,6 +4,7 @@ Per parameter (the buffer the optimizer is handed) the state is a handful of fla
 the concatenation of its segments' pieces in segment order:
 
 - ``layout``  int64 (segments, 4): buffer offset, numel, start in the original tensor, block size
+  (B > 1 contiguous blocks, 1 none, -P columns of a row of P elements)
 - ``codebook`` fp32 (2**bits,): the levels of m; its length says the bit width
 - ``codes``   uint8: m codes of segments with B > 1, each segment from a byte boundary, two per
   byte at 4 bits
@@ -116,8 +117,13 @@ def check_loaded(state: dict, segments: list[Segment], bits: int, name: str) -> 
             f"but its param group asks for bits={bits}"
         )
     blocks = [int(r[3]) for r in layout.tolist()]
-    if any(bs < 1 for bs in blocks):
-        raise ValueError(f"Gefen state for {name}: block sizes must be >= 1, got {blocks}")
+    for seg, bs in zip(segments, blocks, strict=True):
+        row = seg.tensor_numel // seg.shape[0] if len(seg.shape) > 1 and seg.shape[0] else 0
+        if bs == 0 or (bs < 0 and -bs != row):
+            raise ValueError(
+                f"Gefen state for {name}: block size {bs} for a tensor of shape {seg.shape} "
+                f"(must be >= 1, or -{row} for its columns)"
+            )
     ref = allocate(segments, blocks, state["codebook"], torch.device("meta"))
     for k in ("codes", "absmax", "v", "exp_avg", "exp_avg_sq"):
         t = state[k]
