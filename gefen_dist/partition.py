@@ -28,8 +28,9 @@ The rule, exactly:
    jump) and R_col < R(B) of the contiguous choice (or that choice is B = 1).
 
 Why columns: the first gradients of some weights vary along the input axis, not the output axis
-(an MLP's down projection: within-row R 0.93, within-column 0.69, ``benchmarks/row_col_structure.py``).
-Contiguous blocks cannot express that, so those tensors fell back to B = 1 and 8 bytes/param.
+(an MLP's down projection: within-row R 0.93, within-column 0.69, measured by
+``benchmarks/row_col_structure.py``). Contiguous blocks cannot express that, so those tensors fell
+back to B = 1 and 8 bytes/param.
 
 Why the largest jump rather than the first: real first gradients have small dips at fine scales
 (a GPT's attention c_proj: R(8) = 0.67, R(16) = 0.73, flat to R(256) = 0.75, then R(512) = 0.88);

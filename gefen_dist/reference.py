@@ -143,7 +143,7 @@ def column_update(
     nb = st.absmax.numel()
     sum_sq = torch.zeros(nb, dtype=torch.float32, device=p.device)
     amax = torch.zeros(nb, dtype=torch.float32, device=p.device)
-    for a, b, m, g32 in _column_rows(g, st, h, levels, bits, period):
+    for _, _, m, g32 in _column_rows(g, st, h, levels, bits, period):
         w = m.shape[1]
         sum_sq[:w] += g32.square().sum(dim=0)
         torch.maximum(amax[:w], m.abs().amax(dim=0), out=amax[:w])

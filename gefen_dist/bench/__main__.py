@@ -20,8 +20,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         lines = [f"  {k:9s} {v[1]}" for k, v in COMMANDS.items()]
-        print("usage: python -m gefen_dist.bench {compare,memory,capacity} [options]\n"
-              + "\n".join(lines), file=sys.stderr)
+        print(
+            "usage: python -m gefen_dist.bench {compare,memory,capacity} [options]\n"
+            + "\n".join(lines),
+            file=sys.stderr,
+        )
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
     module = importlib.import_module(COMMANDS[argv[0]][0])
     module.main(argv[1:])

@@ -112,14 +112,23 @@ def preload(optimizers: list[str], setup: Setup) -> None:
     torch.set_num_threads(1)
     if not _CORPUS:
         _CORPUS.append(load_corpus(max_bytes=1 * MiB)[0])
-    cfg = GPTConfig(block_size=setup.block_size, n_layer=setup.n_layer, n_head=setup.n_head,
-                    n_embd=setup.n_embd)
+    cfg = GPTConfig(
+        block_size=setup.block_size, n_layer=setup.n_layer, n_head=setup.n_head, n_embd=setup.n_embd
+    )
     gen = torch.Generator().manual_seed(0)
     for name in optimizers:
         model = GPT(cfg)
         try:
-            opt = peers.build(name, model, setup.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                              dim=setup.n_embd, n_heads=setup.n_head, n_kv_heads=setup.n_head)
+            opt = peers.build(
+                name,
+                model,
+                setup.lr,
+                betas=(0.9, 0.95),
+                weight_decay=0.1,
+                dim=setup.n_embd,
+                n_heads=setup.n_head,
+                n_kv_heads=setup.n_head,
+            )
             for _ in range(2):
                 x, y = get_batch(_CORPUS[0], 1, setup.block_size, gen)
                 model(x, y)[1].backward()
@@ -169,8 +178,7 @@ def probe(spec: dict, rank: int = 0) -> dict:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) if cuda else None
     torch.manual_seed(0)
-    cfg = GPTConfig(block_size=s.block_size, n_layer=s.n_layer, n_head=s.n_head,
-                    n_embd=s.n_embd)
+    cfg = GPTConfig(block_size=s.block_size, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd)
     model = GPT(cfg)
     if dev is not None:
         model = model.to(dev)
@@ -179,8 +187,16 @@ def probe(spec: dict, rank: int = 0) -> dict:
     gen = torch.Generator().manual_seed(1 + rank)
     times = []
     try:
-        opt = peers.build(name, model, s.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                          dim=s.n_embd, n_heads=s.n_head, n_kv_heads=s.n_head)
+        opt = peers.build(
+            name,
+            model,
+            s.lr,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            dim=s.n_embd,
+            n_heads=s.n_head,
+            n_kv_heads=s.n_head,
+        )
         for _ in range(s.steps):
             x, y = get_batch(_CORPUS[0], b, s.block_size, gen)
             if dev is not None:
@@ -238,8 +254,9 @@ def _rank_main(spec: dict, rank: int, world: int, port: int, conn) -> None:
 
         torch.set_num_threads(1)
         if world > 1:
-            dist.init_process_group("gloo", rank=rank, world_size=world,
-                                    init_method=f"tcp://127.0.0.1:{port}")
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}"
+            )
         res = probe(spec, rank)
         if world > 1:
             dist.barrier()
@@ -272,16 +289,21 @@ def run_probe(optimizer: str, b: int, mode: str, setup: Setup, timeout: float = 
     port = _free_port()
     t0 = time.perf_counter()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
-    procs = [ctx.Process(target=_rank_main, args=(spec, r, world, port, pipes[r][1]))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(spec, r, world, port, pipes[r][1]))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     ranks: list[dict] = []
     for r, (recv, _) in enumerate(pipes):
         left = max(1.0, timeout - (time.perf_counter() - t0))
         try:
-            ranks.append(recv.recv() if recv.poll(left) else
-                         dict(rank=r, error=f"probe timed out after {timeout} s"))
+            ranks.append(
+                recv.recv()
+                if recv.poll(left)
+                else dict(rank=r, error=f"probe timed out after {timeout} s")
+            )
         except EOFError:
             ranks.append(dict(rank=r, error="probe process died without a result"))
     for p in procs:
@@ -297,16 +319,24 @@ def run_probe(optimizer: str, b: int, mode: str, setup: Setup, timeout: float = 
         return dict(rec, ok=False, error=errs[0])
     net = max(r["peak_bytes"] - r["baseline_bytes"] for r in ranks)
     tokens = b * setup.block_size * world
-    return dict(rec, ok=True, net_peak_bytes=net,
-                baseline_bytes=max(r["baseline_bytes"] for r in ranks),
-                peak_bytes=max(r["peak_bytes"] for r in ranks),
-                fits=net <= setup.budget_mib * MiB,
-                tokens_per_s=tokens / max(r["step_s"] for r in ranks),
-                state_bytes=max(r["state_bytes"] for r in ranks))
+    return dict(
+        rec,
+        ok=True,
+        net_peak_bytes=net,
+        baseline_bytes=max(r["baseline_bytes"] for r in ranks),
+        peak_bytes=max(r["peak_bytes"] for r in ranks),
+        fits=net <= setup.budget_mib * MiB,
+        tokens_per_s=tokens / max(r["step_s"] for r in ranks),
+        state_bytes=max(r["state_bytes"] for r in ranks),
+    )
 
 
-def search(fits: Callable[[int], bool], start: int = 1, b_max: int = 4096,
-           known: dict[int, bool] | None = None) -> int:
+def search(
+    fits: Callable[[int], bool],
+    start: int = 1,
+    b_max: int = 4096,
+    known: dict[int, bool] | None = None,
+) -> int:
     """Largest b in [1, b_max] with ``fits(b)``, assuming fits is monotone (0 if none fits).
 
     Gallop from ``start`` by offsets 1, 2, 4, ... (up while it fits, down while it does not),
@@ -352,9 +382,14 @@ def search(fits: Callable[[int], bool], start: int = 1, b_max: int = 4096,
     return lo
 
 
-def capacity(optimizer: str, mode: str, setup: Setup, guess: int = 1,
-             log: Callable[[dict], None] = lambda r: None,
-             first: list[dict] | None = None) -> dict:
+def capacity(
+    optimizer: str,
+    mode: str,
+    setup: Setup,
+    guess: int = 1,
+    log: Callable[[dict], None] = lambda r: None,
+    first: list[dict] | None = None,
+) -> dict:
     """Search one optimizer's largest fitting microbatch; every probe is kept."""
     probes: list[dict] = list(first or [])
     failed: list[str] = []
@@ -371,15 +406,19 @@ def capacity(optimizer: str, mode: str, setup: Setup, guess: int = 1,
     try:
         best = search(fits, guess, known={p["b"]: p["fits"] for p in probes if p["ok"]})
     except _Stop:
-        return dict(optimizer=optimizer, mode=mode, best=None, error=failed[-1],
-                    probes=probes)
+        return dict(optimizer=optimizer, mode=mode, best=None, error=failed[-1], probes=probes)
     at = next((p for p in probes if p["b"] == best), None)
-    return dict(optimizer=optimizer, mode=mode, best=best, probes=probes,
-                tokens_per_s=at["tokens_per_s"] if at else None,
-                net_peak_bytes=at["net_peak_bytes"] if at else None,
-                baseline_bytes=at["baseline_bytes"] if at else None,
-                peak_bytes=at["peak_bytes"] if at else None,
-                state_bytes=at["state_bytes"] if at else None)
+    return dict(
+        optimizer=optimizer,
+        mode=mode,
+        best=best,
+        probes=probes,
+        tokens_per_s=at["tokens_per_s"] if at else None,
+        net_peak_bytes=at["net_peak_bytes"] if at else None,
+        baseline_bytes=at["baseline_bytes"] if at else None,
+        peak_bytes=at["peak_bytes"] if at else None,
+        state_bytes=at["state_bytes"] if at else None,
+    )
 
 
 class _Stop(Exception):
@@ -414,8 +453,9 @@ def secant(one: dict, other: dict, budget: float) -> int | None:
     return max(1, one["b"] + int((budget - one["net_peak_bytes"]) / slope))
 
 
-def run_mode(mode: str, optimizers: list[str], setup: Setup,
-             log: Callable[[dict], None]) -> list[dict]:
+def run_mode(
+    mode: str, optimizers: list[str], setup: Setup, log: Callable[[dict], None]
+) -> list[dict]:
     """All optimizers under one mode. The first searches from b = 1; each later one probes
     b = 1 and a guess from the first one's per-sample slope, then searches from where the line
     through its own two probes meets the budget (fewer probes; every answer still probed)."""
@@ -431,8 +471,9 @@ def run_mode(mode: str, optimizers: list[str], setup: Setup,
         one = run_probe(name, 1, mode, setup)
         log(one)
         if not one["ok"]:
-            results.append(dict(optimizer=name, mode=mode, best=None, error=one["error"],
-                                probes=[one]))
+            results.append(
+                dict(optimizer=name, mode=mode, best=None, error=one["error"], probes=[one])
+            )
             continue
         known = [one]
         guess = guess_from(slope, one, budget)
@@ -455,22 +496,28 @@ def table(results: list[dict], setup: Setup) -> str:
     """Markdown: per mode and optimizer, the largest fitting microbatch and its measurements."""
     from gefen_dist.bench import peers
 
-    lines = ["| mode | budget MiB | optimizer | momentum | largest microbatch | tokens/s | "
-             "net peak MiB | baseline MiB | total peak MiB | state MiB/rank | probes |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| mode | budget MiB | optimizer | momentum | largest microbatch | tokens/s | "
+        "net peak MiB | baseline MiB | total peak MiB | state MiB/rank | probes |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         peer = peers.PEERS[r["optimizer"]]
         n = len(r["probes"])
         mode = f"{r['mode']} | {r.get('budget_mib', setup.budget_mib):.0f}"
         if r.get("best") is None:
-            lines.append(f"| {mode} | {peer.label} | {peer.momentum} | n/a: "
-                         f"{r['error'][:80]} | | | | | | {n} |")
+            lines.append(
+                f"| {mode} | {peer.label} | {peer.momentum} | n/a: "
+                f"{r['error'][:80]} | | | | | | {n} |"
+            )
             continue
         tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-"
         state = f"{r['state_bytes'] / MiB:.1f}" if r.get("state_bytes") is not None else "-"
-        lines.append(f"| {mode} | {peer.label} | {peer.momentum} | {r['best']} | {tps} | "
-                     f"{_mib(r, 'net_peak_bytes')} | {_mib(r, 'baseline_bytes')} | "
-                     f"{_mib(r, 'peak_bytes')} | {state} | {n} |")
+        lines.append(
+            f"| {mode} | {peer.label} | {peer.momentum} | {r['best']} | {tps} | "
+            f"{_mib(r, 'net_peak_bytes')} | {_mib(r, 'baseline_bytes')} | "
+            f"{_mib(r, 'peak_bytes')} | {state} | {n} |"
+        )
     return "\n".join(lines)
 
 
@@ -484,8 +531,13 @@ def verdict(results: list[dict]) -> list[str]:
         for g in ("gefen4", "gefen8"):
             if g not in rs or rs[g].get("best") is None:
                 continue
-            others = [o for o, r in rs.items() if not o.startswith("gefen")
-                      and peers.PEERS[o].momentum and r.get("best") is not None]
+            others = [
+                o
+                for o, r in rs.items()
+                if not o.startswith("gefen")
+                and peers.PEERS[o].momentum
+                and r.get("best") is not None
+            ]
             beaten = [o for o in others if rs[g]["best"] > rs[o]["best"]]
             lost = [f"{o} ({rs[o]['best']})" for o in others if o not in beaten]
             label = f"{mode}: {peers.PEERS[g].label} microbatch {rs[g]['best']}"
@@ -508,21 +560,31 @@ def plot(results: list[dict], path: Path, setup: Setup) -> None:
     from gefen_dist.bench import peers
 
     modes = list(dict.fromkeys(r["mode"] for r in results))
-    fig, axes = plt.subplots(1, len(modes), figsize=(max(8.0, 5.8 * len(modes)), 5.5),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(modes), figsize=(max(8.0, 5.8 * len(modes)), 5.5), squeeze=False
+    )
     for ax, mode in zip(axes[0], modes, strict=True):
         rs = [r for r in results if r["mode"] == mode]
         labels = [peers.PEERS[r["optimizer"]].label.replace(" (", "\n(") for r in rs]
         vals = [r["best"] or 0 for r in rs]
-        colors = ["tab:green" if r["optimizer"].startswith("gefen") else
-                  ("tab:gray" if not peers.PEERS[r["optimizer"]].momentum else "tab:blue")
-                  for r in rs]
+        colors = [
+            "tab:green"
+            if r["optimizer"].startswith("gefen")
+            else ("tab:gray" if not peers.PEERS[r["optimizer"]].momentum else "tab:blue")
+            for r in rs
+        ]
         bars = ax.barh(range(len(rs)), vals, color=colors)
         for bar, r in zip(bars, rs, strict=True):
-            txt = (f" {r['best']}  ({r['tokens_per_s']:.0f} tok/s)" if r.get("tokens_per_s")
-                   else " n/a" if r.get("best") is None else f" {r['best']}")
-            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, txt, va="center",
-                    fontsize=8)
+            txt = (
+                f" {r['best']}  ({r['tokens_per_s']:.0f} tok/s)"
+                if r.get("tokens_per_s")
+                else " n/a"
+                if r.get("best") is None
+                else f" {r['best']}"
+            )
+            ax.text(
+                bar.get_width(), bar.get_y() + bar.get_height() / 2, txt, va="center", fontsize=8
+            )
         ax.set_yticks(range(len(rs)))
         ax.set_yticklabels(labels, fontsize=8)
         ax.invert_yaxis()
@@ -530,10 +592,13 @@ def plot(results: list[dict], path: Path, setup: Setup) -> None:
         budget = rs[0].get("budget_mib", setup.budget_mib)
         ax.set_title(f"{mode}: budget {budget:.0f} MiB net RSS per rank")
         ax.set_xlim(0, max(vals + [1]) * 1.45)
-    fig.suptitle(f"Largest microbatch under a memory budget: GPT {setup.n_layer} layers "
-                 f"x d={setup.n_embd}, seq {setup.block_size}, CPU\n"
-                 "green: Gefen, blue: peers with momentum, gray: no momentum; "
-                 "tokens/s at that microbatch in brackets", fontsize=10)
+    fig.suptitle(
+        f"Largest microbatch under a memory budget: GPT {setup.n_layer} layers "
+        f"x d={setup.n_embd}, seq {setup.block_size}, CPU\n"
+        "green: Gefen, blue: peers with momentum, gray: no momentum; "
+        "tokens/s at that microbatch in brackets",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -544,29 +609,53 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/bench/capacity")
-    ap.add_argument("--optimizers", default=",".join(peers.PEERS),
-                    help="the first one sets the per-sample slope; AdamW by default")
+    ap.add_argument(
+        "--optimizers",
+        default=",".join(peers.PEERS),
+        help="the first one sets the per-sample slope; AdamW by default",
+    )
     ap.add_argument("--modes", default="single,ddp,fsdp2")
-    ap.add_argument("--dist-optimizers", default=",".join(DIST_OPTIMIZERS),
-                    help="those run under DDP and FSDP2 (time: ~1 min per optimizer and mode)")
+    ap.add_argument(
+        "--dist-optimizers",
+        default=",".join(DIST_OPTIMIZERS),
+        help="those run under DDP and FSDP2 (time: ~1 min per optimizer and mode)",
+    )
     ap.add_argument("--budget-mib", type=float, help="net peak RSS per rank (MiB)")
     ap.add_argument("--n-embd", type=int)
     ap.add_argument("--n-layer", type=int)
     ap.add_argument("--block-size", type=int)
-    ap.add_argument("--smoke", action="store_true",
-                    help="a tiny model, AdamW and Gefen 4-bit, single process (< 60 s)")
-    ap.add_argument("--merge", action="append", default=[], metavar="DIR",
-                    help="with --replot: take these runs' modes (their own budgets) from DIR")
-    ap.add_argument("--replot", action="store_true",
-                    help="rewrite capacity.md and capacity.png from --out's capacity.json")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny model, AdamW and Gefen 4-bit, single process (< 60 s)",
+    )
+    ap.add_argument(
+        "--merge",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="with --replot: take these runs' modes (their own budgets) from DIR",
+    )
+    ap.add_argument(
+        "--replot",
+        action="store_true",
+        help="rewrite capacity.md and capacity.png from --out's capacity.json",
+    )
     args = ap.parse_args(argv)
     if args.replot:
         _write(Path(args.out), None, [Path(m) for m in args.merge])
         return
     setup = SMOKE if args.smoke else Setup()
-    over = {k: v for k, v in dict(budget_mib=args.budget_mib, n_embd=args.n_embd,
-                                  n_layer=args.n_layer, block_size=args.block_size).items()
-            if v is not None}
+    over = {
+        k: v
+        for k, v in dict(
+            budget_mib=args.budget_mib,
+            n_embd=args.n_embd,
+            n_layer=args.n_layer,
+            block_size=args.block_size,
+        ).items()
+        if v is not None
+    }
     setup = Setup(**{**asdict(setup), **over})
     optimizers = [o for o in args.optimizers.split(",") if o]
     modes = [m for m in args.modes.split(",") if m]
@@ -580,22 +669,30 @@ def main(argv: list[str] | None = None) -> None:
 
     def log(r: dict) -> None:
         if r["ok"]:
-            print(f"  {r['mode']:6} {r['optimizer']:18} b={r['b']:4}  net "
-                  f"{r['net_peak_bytes'] / MiB:7.1f} MiB  (base {r['baseline_bytes'] / MiB:.0f})"
-                  f"  {'fits' if r['fits'] else 'over'}  {r['wall_s']:.1f} s", flush=True)
+            print(
+                f"  {r['mode']:6} {r['optimizer']:18} b={r['b']:4}  net "
+                f"{r['net_peak_bytes'] / MiB:7.1f} MiB  (base {r['baseline_bytes'] / MiB:.0f})"
+                f"  {'fits' if r['fits'] else 'over'}  {r['wall_s']:.1f} s",
+                flush=True,
+            )
         else:
-            print(f"  {r['mode']:6} {r['optimizer']:18} b={r['b']:4}  error: "
-                  f"{r['error'][-200:]}", flush=True)
+            print(
+                f"  {r['mode']:6} {r['optimizer']:18} b={r['b']:4}  error: {r['error'][-200:]}",
+                flush=True,
+            )
 
     dist_opts = [o for o in args.dist_optimizers.split(",") if o in optimizers]
     results: list[dict] = []
     for mode in modes:
         print(f"{mode}:", flush=True)
         results += run_mode(mode, optimizers if mode == "single" else dist_opts, setup, log)
-        (out / "capacity.json").write_text(json.dumps(dict(
-            setup=asdict(setup), results=results, wall_s=time.perf_counter() - t0), indent=1))
-    _write(out, dict(setup=asdict(setup), results=results,
-                     wall_s=time.perf_counter() - t0))
+        (out / "capacity.json").write_text(
+            json.dumps(
+                dict(setup=asdict(setup), results=results, wall_s=time.perf_counter() - t0),
+                indent=1,
+            )
+        )
+    _write(out, dict(setup=asdict(setup), results=results, wall_s=time.perf_counter() - t0))
 
 
 def _write(out: Path, data: dict | None, merge: list[Path] | None = None) -> None:
@@ -617,19 +714,28 @@ def _write(out: Path, data: dict | None, merge: list[Path] | None = None) -> Non
         done = {r["mode"] for r in more["results"]}
         results[:] = [r for r in results if r["mode"] not in done]
         results += [dict(r, budget_mib=r.get("budget_mib", budget)) for r in more["results"]]
-        data.setdefault("merged", []).append(dict(dir=str(other), setup=more["setup"],
-                                                  wall_s=more.get("wall_s")))
+        data.setdefault("merged", []).append(
+            dict(dir=str(other), setup=more["setup"], wall_s=more.get("wall_s"))
+        )
     lines = verdict(results)
     data["verdict"] = lines
-    extra = "".join(f" Merged: {m['dir']} (budget {m['setup']['budget_mib']:.0f} MiB, "
-                    f"{m['wall_s'] or float('nan'):.0f} s)." for m in data.get("merged", []))
-    text = (f"Budget: {setup.budget_mib:.0f} MiB of net peak RSS per rank (VmHWM of the forked "
-            f"probe minus its RSS at the fork: every optimizer imported and warmed up in the "
-            f"parent, so the baseline is the same for all). GPT {setup.n_layer} layers, "
-            f"d={setup.n_embd}, {setup.n_head} heads, seq {setup.block_size}, byte-level, "
-            f"stdlib corpus; {setup.steps} steps per probe, tokens/s from the median step after "
-            f"the first (all ranks' tokens). Wall time {data['wall_s']:.0f} s.{extra}\n\n"
-            + table(results, setup) + "\n\n" + "\n".join(f"- {v}" for v in lines) + "\n")
+    extra = "".join(
+        f" Merged: {m['dir']} (budget {m['setup']['budget_mib']:.0f} MiB, "
+        f"{m['wall_s'] or float('nan'):.0f} s)."
+        for m in data.get("merged", [])
+    )
+    text = (
+        f"Budget: {setup.budget_mib:.0f} MiB of net peak RSS per rank (VmHWM of the forked "
+        f"probe minus its RSS at the fork: every optimizer imported and warmed up in the "
+        f"parent, so the baseline is the same for all). GPT {setup.n_layer} layers, "
+        f"d={setup.n_embd}, {setup.n_head} heads, seq {setup.block_size}, byte-level, "
+        f"stdlib corpus; {setup.steps} steps per probe, tokens/s from the median step after "
+        f"the first (all ranks' tokens). Wall time {data['wall_s']:.0f} s.{extra}\n\n"
+        + table(results, setup)
+        + "\n\n"
+        + "\n".join(f"- {v}" for v in lines)
+        + "\n"
+    )
     (out / "capacity.md").write_text(text)
     (out / "capacity.json").write_text(json.dumps(data, indent=1))
     plot(results, out / "capacity.png", setup)

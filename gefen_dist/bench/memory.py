@@ -99,20 +99,29 @@ def build_model(s: Shape, n_layer: int = 1) -> tuple[nn.Module, list[str], list[
     if s.kind == "gpt2":
         from gefen_dist.model import GPT, GPTConfig
 
-        cfg = GPTConfig(vocab_size=s.vocab, block_size=s.ctx, n_layer=n_layer, n_head=s.n_head,
-                        n_embd=s.d)
+        cfg = GPTConfig(
+            vocab_size=s.vocab, block_size=s.ctx, n_layer=n_layer, n_head=s.n_head, n_embd=s.d
+        )
         return GPT(cfg), ["transformer.wte"], ["lm_head"]
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=s.vocab, hidden_size=s.d, intermediate_size=s.ffn,
-                      num_hidden_layers=n_layer, num_attention_heads=s.n_head,
-                      num_key_value_heads=s.n_kv_head, tie_word_embeddings=s.tied,
-                      max_position_embeddings=s.ctx, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.d,
+        intermediate_size=s.ffn,
+        num_hidden_layers=n_layer,
+        num_attention_heads=s.n_head,
+        num_key_value_heads=s.n_kv_head,
+        tie_word_embeddings=s.tied,
+        max_position_embeddings=s.ctx,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(cfg), ["model.embed_tokens"], ["lm_head"]
 
 
-def first_gradients(model: nn.Module, s: Shape, ids: torch.Tensor,
-                    emb: list[str], head: list[str]) -> dict[str, torch.Tensor]:
+def first_gradients(
+    model: nn.Module, s: Shape, ids: torch.Tensor, emb: list[str], head: list[str]
+) -> dict[str, torch.Tensor]:
     """One real forward/backward; returns every parameter's gradient by name.
 
     The vocabulary matrices are frozen during the backward (their parameters and gradients
@@ -207,8 +216,11 @@ def gefen_state(grad: torch.Tensor, bits: list[int]) -> dict[int, dict]:
     try:
         blocks = []
         for seg in segs:
-            st = partition.segment_stats(flat[seg.offset : seg.offset + seg.numel], seg.start,
-                                         partition.candidate_block_sizes(seg.shape))
+            st = partition.segment_stats(
+                flat[seg.offset : seg.offset + seg.numel],
+                seg.start,
+                partition.candidate_block_sizes(seg.shape),
+            )
             merged = partition.merge_stats([st])
             blocks.append(partition.choose_block_size(merged, seg.tensor_numel))
     finally:
@@ -216,8 +228,12 @@ def gefen_state(grad: torch.Tensor, bits: list[int]) -> dict[int, dict]:
     out = {}
     for b in bits:
         st = gstate.allocate(segs, blocks, torch.zeros(2**b), grad.device)
-        out[b] = dict(bytes=sum(t.numel() * t.element_size() for t in st.values()),
-                      proper=gstate.state_bytes(st), blocks=sorted(set(blocks)), chunks=1)
+        out[b] = dict(
+            bytes=sum(t.numel() * t.element_size() for t in st.values()),
+            proper=gstate.state_bytes(st),
+            blocks=sorted(set(blocks)),
+            chunks=1,
+        )
     return out
 
 
@@ -233,8 +249,9 @@ def peer_state(name: str, opt_name: str, grad: torch.Tensor, info: dict) -> int:
     return n
 
 
-def measure_tensor(name: str, grad: torch.Tensor, optimizers: list[str], info: dict,
-                   chunk_numel: int = CHUNK_NUMEL) -> dict[str, dict]:
+def measure_tensor(
+    name: str, grad: torch.Tensor, optimizers: list[str], info: dict, chunk_numel: int = CHUNK_NUMEL
+) -> dict[str, dict]:
     """State bytes of each optimizer for one tensor, given its real first gradient.
 
     Peers on a tensor over ``chunk_numel`` elements: it is split into K equal row chunks, one
@@ -262,8 +279,9 @@ def _is_layer(name: str) -> bool:
     return ".h.0." in name or ".layers.0." in name
 
 
-def measure_model(s: Shape, optimizers: list[str], batch: int = 2, seq: int = 128,
-                  full: bool = False) -> dict:
+def measure_model(
+    s: Shape, optimizers: list[str], batch: int = 2, seq: int = 128, full: bool = False
+) -> dict:
     """Measure one model: one layer (or, with ``full``, every layer) at full width."""
     t0 = time.perf_counter()
     model, emb, head = build_model(s, s.n_layer if full else 1)
@@ -271,8 +289,11 @@ def measure_model(s: Shape, optimizers: list[str], batch: int = 2, seq: int = 12
     ids = tokens(s.vocab, batch, min(seq, s.ctx))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     grads = first_gradients(model, s, ids, emb, head)
-    print(f"  {s.name}: backward done at {time.perf_counter() - t0:.0f} s", file=sys.stderr,
-          flush=True)
+    print(
+        f"  {s.name}: backward done at {time.perf_counter() - t0:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     del model
     rows = []
     for name in list(grads):
@@ -280,10 +301,14 @@ def measure_model(s: Shape, optimizers: list[str], batch: int = 2, seq: int = 12
         mult = 1 if full or not _is_layer(name) else s.n_layer
         t1 = time.perf_counter()
         res = measure_tensor(name, g, optimizers, info)
-        print(f"  {name} {tuple(g.shape)}: {time.perf_counter() - t1:.1f} s", file=sys.stderr,
-              flush=True)
-        rows.append(dict(name=name, shape=shapes[name], numel=g.numel(), times=mult, **{
-            "state": res}))
+        print(
+            f"  {name} {tuple(g.shape)}: {time.perf_counter() - t1:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        rows.append(
+            dict(name=name, shape=shapes[name], numel=g.numel(), times=mult, **{"state": res})
+        )
         del g
     totals: dict[str, dict] = {}
     for o in optimizers:
@@ -293,15 +318,26 @@ def measure_model(s: Shape, optimizers: list[str], batch: int = 2, seq: int = 12
             continue
         totals[o] = dict(bytes=sum(r["state"][o]["bytes"] * r["times"] for r in rows))
     params = sum(r["numel"] * r["times"] for r in rows)
-    return dict(model=asdict(s), params=params, tokens=list(ids.shape), full=full,
-                tensors=rows, totals=totals, wall_s=time.perf_counter() - t0,
-                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return dict(
+        model=asdict(s),
+        params=params,
+        tokens=list(ids.shape),
+        full=full,
+        tensors=rows,
+        totals=totals,
+        wall_s=time.perf_counter() - t0,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
 
 
 def _child_env() -> dict:
     # torchao's update is skipped (see module docstring); dynamo off keeps its import cheap
-    return {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "2",
-            "TRANSFORMERS_VERBOSITY": "error"}
+    return {
+        **os.environ,
+        "TORCHDYNAMO_DISABLE": "1",
+        "OMP_NUM_THREADS": "2",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
 
 
 def _skip_torchao_update() -> None:
@@ -312,12 +348,26 @@ def _skip_torchao_update() -> None:
     ta.single_param_adam = lambda *a, **k: None
 
 
-def run_model(name: str, optimizers: list[str], out: Path, full: bool = False,
-              batch: int = 2, seq: int = 128) -> dict:
+def run_model(
+    name: str, optimizers: list[str], out: Path, full: bool = False, batch: int = 2, seq: int = 128
+) -> dict:
     """Measure ``name`` in a fresh subprocess (its own peak RSS); returns its record."""
     path = out / f"{name}{'_full' if full else ''}.json"
-    cmd = [sys.executable, "-m", "gefen_dist.bench.memory", "--child", name, "--json", str(path),
-           "--optimizers", ",".join(optimizers), "--batch", str(batch), "--seq", str(seq)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gefen_dist.bench.memory",
+        "--child",
+        name,
+        "--json",
+        str(path),
+        "--optimizers",
+        ",".join(optimizers),
+        "--batch",
+        str(batch),
+        "--seq",
+        str(seq),
+    ]
     if full:
         cmd.append("--all-layers")
     subprocess.run(cmd, check=True, env=_child_env())
@@ -338,8 +388,11 @@ def table(records: list[dict], optimizers: list[str]) -> str:
             t = r["totals"][o]
             cells.append("n/a" if "error" in t else f"{gib(t['bytes']):.3f}")
         name = r["model"]["name"] + (" (all layers)" if r["full"] else "")
-        lines.append(f"| {name} | {r['params'] / 1e6:,.0f}M | " + " | ".join(cells)
-                     + f" | {gib(r['peak_rss_bytes']):.1f} |")
+        lines.append(
+            f"| {name} | {r['params'] / 1e6:,.0f}M | "
+            + " | ".join(cells)
+            + f" | {gib(r['peak_rss_bytes']):.1f} |"
+        )
     lines.append("")
     lines.append("Bytes per parameter:")
     lines.append("")
@@ -356,11 +409,16 @@ def table(records: list[dict], optimizers: list[str]) -> str:
         anchor = PAPER.get(r["model"]["name"])
         if anchor and not r["full"]:
             t = r["totals"]
-            ours = ", ".join(f"{peers.PEERS[o].label} {gib(t[o]['bytes']):.2f}"
-                             for o in ("adamw", "gefen8", "gefen4") if "bytes" in t.get(o, {}))
+            ours = ", ".join(
+                f"{peers.PEERS[o].label} {gib(t[o]['bytes']):.2f}"
+                for o in ("adamw", "gefen8", "gefen4")
+                if "bytes" in t.get(o, {})
+            )
             lines.append("")
-            lines.append(f"Paper, {r['model']['name']}: AdamW {anchor['adamw']} GiB -> Gefen "
-                         f"{anchor['gefen']} GiB. Measured here: {ours} GiB.")
+            lines.append(
+                f"Paper, {r['model']['name']}: AdamW {anchor['adamw']} GiB -> Gefen "
+                f"{anchor['gefen']} GiB. Measured here: {ours} GiB."
+            )
     return "\n".join(lines)
 
 
@@ -374,8 +432,9 @@ def blocks_table(records: list[dict]) -> str:
             st = t["state"]
             b4 = st.get("gefen4", {}).get("blocks", "-")
             b8 = st.get("gefen8", {}).get("blocks", "-")
-            lines.append(f"| {r['model']['name']} | {t['name']} | {tuple(t['shape'])} | "
-                         f"{b4} | {b8} |")
+            lines.append(
+                f"| {r['model']['name']} | {t['name']} | {tuple(t['shape'])} | {b4} | {b8} |"
+            )
     return "\n".join(lines)
 
 
@@ -398,24 +457,43 @@ def plot(records: list[dict], optimizers: list[str], path: Path) -> None:
                 xs.append(i + (j - (len(optimizers) - 1) / 2) * width)
                 ys.append(gib(t["bytes"]))
         hatch = "//" if o.startswith("gefen") else None
-        ax.bar(xs, ys, width, label=peers.PEERS[o].label, color=cmap(j % 10), hatch=hatch,
-               edgecolor="black", linewidth=0.4)
+        ax.bar(
+            xs,
+            ys,
+            width,
+            label=peers.PEERS[o].label,
+            color=cmap(j % 10),
+            hatch=hatch,
+            edgecolor="black",
+            linewidth=0.4,
+        )
     for i, r in enumerate(recs):
         anchor = PAPER.get(r["model"]["name"])
         if anchor:
             ax.plot([i - 0.45, i + 0.45], [anchor["adamw"]] * 2, "k--", lw=1)
             ax.plot([i - 0.45, i + 0.45], [anchor["gefen"]] * 2, "k:", lw=1.5)
-            ax.annotate(f"paper: AdamW {anchor['adamw']} GiB", (i, anchor["adamw"] * 1.15),
-                        ha="center", fontsize=8)
-            ax.annotate(f"paper: Gefen {anchor['gefen']} GiB", (i, anchor["gefen"] * 1.15),
-                        ha="center", fontsize=8)
+            ax.annotate(
+                f"paper: AdamW {anchor['adamw']} GiB",
+                (i, anchor["adamw"] * 1.15),
+                ha="center",
+                fontsize=8,
+            )
+            ax.annotate(
+                f"paper: Gefen {anchor['gefen']} GiB",
+                (i, anchor["gefen"] * 1.15),
+                ha="center",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(recs)))
     ax.set_xticklabels([f"{r['model']['name']}\n{r['params'] / 1e9:.2f}B params" for r in recs])
     ax.set_yscale("log")
     ax.set_ylabel("optimizer state (GiB, log scale)")
-    ax.set_title("Optimizer state by model: each tensor's state measured after one real step on "
-                 "its real first gradient;\nlayer 0 x number of layers (an extrapolation), "
-                 "plus embeddings and head", fontsize=11)
+    ax.set_title(
+        "Optimizer state by model: each tensor's state measured after one real step on "
+        "its real first gradient;\nlayer 0 x number of layers (an extrapolation), "
+        "plus embeddings and head",
+        fontsize=11,
+    )
     ax.grid(axis="y", which="both", alpha=0.3)
     ax.legend(ncol=3, fontsize=8, loc="upper left")
     fig.tight_layout()
@@ -428,22 +506,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="results/bench/memory")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--optimizers", default=",".join(peers.PEERS))
-    ap.add_argument("--full", default="gpt2-124m",
-                    help="models also measured with every layer (check of the layer scaling)")
+    ap.add_argument(
+        "--full",
+        default="gpt2-124m",
+        help="models also measured with every layer (check of the layer scaling)",
+    )
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--all-layers", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--replot", action="store_true",
-                    help="rewrite memory.md and memory.png from --out's memory.json")
+    ap.add_argument(
+        "--replot",
+        action="store_true",
+        help="rewrite memory.md and memory.png from --out's memory.json",
+    )
     args = ap.parse_args(argv)
     optimizers = [o for o in args.optimizers.split(",") if o]
     if args.child:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
         _skip_torchao_update()
-        rec = measure_model(MODELS[args.child], optimizers, args.batch, args.seq,
-                            full=args.all_layers)
+        rec = measure_model(
+            MODELS[args.child], optimizers, args.batch, args.seq, full=args.all_layers
+        )
         Path(args.json).write_text(json.dumps(rec, indent=1))
         return
     out = Path(args.out)
@@ -463,8 +548,11 @@ def main(argv: list[str] | None = None) -> None:
         t = time.perf_counter()
         print(f"measuring {m}{' (all layers)' if full else ''} ...", flush=True)
         records.append(run_model(m, optimizers, out, full, args.batch, args.seq))
-        print(f"  done in {time.perf_counter() - t:.0f} s, peak RSS "
-              f"{gib(records[-1]['peak_rss_bytes']):.2f} GiB", flush=True)
+        print(
+            f"  done in {time.perf_counter() - t:.0f} s, peak RSS "
+            f"{gib(records[-1]['peak_rss_bytes']):.2f} GiB",
+            flush=True,
+        )
     _write(out, records, optimizers)
 
 
@@ -472,8 +560,9 @@ def _write(out: Path, records: list[dict], optimizers: list[str]) -> None:
     """memory.md, memory.json and memory.png from the per-model records."""
     md = table(records, optimizers)
     (out / "memory.md").write_text(md + "\n\nGefen's blocks:\n\n" + blocks_table(records) + "\n")
-    (out / "memory.json").write_text(json.dumps(dict(records=records, paper=PAPER,
-                                                     optimizers=optimizers), indent=1))
+    (out / "memory.json").write_text(
+        json.dumps(dict(records=records, paper=PAPER, optimizers=optimizers), indent=1)
+    )
     plot(records, optimizers, out / "memory.png")
     print(md)
 

@@ -24,9 +24,15 @@ GEFEN = {"gefen8": (0.01, 0.005), "gefen4": (0.02, 0.005)}
 """Goal (b): allowed relative val-loss gap (LM tasks) and accuracy gap (classification)."""
 
 COLORS = {
-    "adamw": "#111111", "gefen8": "#d62728", "gefen4": "#ff7f0e", "bnb_adamw8bit": "#1f77b4",
-    "torchao_adamw8bit": "#17becf", "torchao_adamw4bit": "#9edae5", "adam_mini": "#2ca02c",
-    "adafactor": "#9467bd", "sm3": "#8c564b",
+    "adamw": "#111111",
+    "gefen8": "#d62728",
+    "gefen4": "#ff7f0e",
+    "bnb_adamw8bit": "#1f77b4",
+    "torchao_adamw8bit": "#17becf",
+    "torchao_adamw4bit": "#9edae5",
+    "adam_mini": "#2ca02c",
+    "adafactor": "#9467bd",
+    "sm3": "#8c564b",
 }
 
 
@@ -44,8 +50,9 @@ def _ms(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
 
 
-def summarize(rows: list[dict[str, Any]], chosen: list[tasks.Task],
-              optimizers: list[str]) -> dict[str, Any]:
+def summarize(
+    rows: list[dict[str, Any]], chosen: list[tasks.Task], optimizers: list[str]
+) -> dict[str, Any]:
     """Per task and optimizer: metric mean/std over seeds, paired difference to AdamW, bytes per
     parameter, step time; skipped/failed runs with their reasons."""
     by: dict[tuple[str, str], list[dict]] = {}
@@ -61,8 +68,10 @@ def summarize(rows: list[dict[str, Any]], chosen: list[tasks.Task],
             bad = [r for r in runs if r["status"] != "ok"]
             cell: dict[str, Any] = dict(label=peers.PEERS[opt].label, seeds=[r["seed"] for r in ok])
             if not ok:
-                cell.update(status=bad[0]["status"] if bad else "missing",
-                            reason=bad[0].get("reason", "") if bad else "no stored run")
+                cell.update(
+                    status=bad[0]["status"] if bad else "missing",
+                    reason=bad[0].get("reason", "") if bad else "no stored run",
+                )
                 cells[opt] = cell
                 continue
             cell["status"] = "ok" if not bad else "partial"
@@ -74,17 +83,21 @@ def summarize(rows: list[dict[str, Any]], chosen: list[tasks.Task],
                 xs = [r["final"][m] for r in ok]
                 mean, sd = _ms(xs)
                 c = dict(mean=mean, std=sd, values=xs)
-                paired = [(r["final"][m], base[r["seed"]]["final"][m]) for r in ok
-                          if r["seed"] in base]
+                paired = [
+                    (r["final"][m], base[r["seed"]]["final"][m]) for r in ok if r["seed"] in base
+                ]
                 if paired and opt != "adamw":
                     d = [a - b for a, b in paired]
                     b_sd = _ms([b for _, b in paired])[1]
                     dmean, dsd = _ms(d)
                     bmean = statistics.fmean(b for _, b in paired)
-                    c.update(diff=dmean, rel=dmean / bmean,
-                             diff_sd=dmean / b_sd if b_sd and b_sd == b_sd else None,
-                             t=dmean / (dsd / math.sqrt(len(d))) if dsd and dsd == dsd else None,
-                             n_paired=len(d))
+                    c.update(
+                        diff=dmean,
+                        rel=dmean / bmean,
+                        diff_sd=dmean / b_sd if b_sd and b_sd == b_sd else None,
+                        t=dmean / (dsd / math.sqrt(len(d))) if dsd and dsd == dsd else None,
+                        n_paired=len(d),
+                    )
                 cell[m] = c
             cell["bytes_per_param"] = statistics.fmean(r["bytes_per_param"] for r in ok)
             cell["state_bytes"] = ok[0]["state_bytes"]
@@ -103,8 +116,10 @@ def summarize(rows: list[dict[str, Any]], chosen: list[tasks.Task],
 
 def _mean_curve(curves: list[list[dict]]) -> list[dict]:
     n = min(len(c) for c in curves)
-    return [dict(step=curves[0][i]["step"],
-                 val_loss=statistics.fmean(c[i]["val_loss"] for c in curves)) for i in range(n)]
+    return [
+        dict(step=curves[0][i]["step"], val_loss=statistics.fmean(c[i]["val_loss"] for c in curves))
+        for i in range(n)
+    ]
 
 
 def goals(summary: dict[str, Any], chosen: list[tasks.Task]) -> dict[str, Any]:
@@ -120,11 +135,15 @@ def goals(summary: dict[str, Any], chosen: list[tasks.Task]) -> dict[str, Any]:
                 b.append(dict(task=task.name, gefen=g, ok=False, note="Gefen did not run"))
                 continue
             mine = cells[g]["bytes_per_param"]
-            above = {o: c["bytes_per_param"] for o, c in cells.items()
-                     if o not in GEFEN and peers.PEERS[o].momentum and "bytes_per_param" in c
-                     and c["bytes_per_param"] < mine}
-            a.append(dict(task=task.name, gefen=g, ok=not above, bytes_per_param=mine,
-                          below=above))
+            above = {
+                o: c["bytes_per_param"]
+                for o, c in cells.items()
+                if o not in GEFEN
+                and peers.PEERS[o].momentum
+                and "bytes_per_param" in c
+                and c["bytes_per_param"] < mine
+            }
+            a.append(dict(task=task.name, gefen=g, ok=not above, bytes_per_param=mine, below=above))
             tol_loss, tol_acc = GEFEN[g]
             metric = "val_acc" if task.kind == "cls" else "val_loss"
             c = cells[g].get(metric, {})
@@ -139,9 +158,20 @@ def goals(summary: dict[str, Any], chosen: list[tasks.Task]) -> dict[str, Any]:
                 worse_t = c["t"] or 0.0
             crit = _t_crit(c["n_paired"] - 1) if c["n_paired"] > 1 else None
             signif = crit is not None and worse_t > crit
-            b.append(dict(task=task.name, gefen=g, metric=metric, ok=close and not signif,
-                          within_tolerance=close, significantly_worse=signif,
-                          diff=c["diff"], rel=c["rel"], t=c["t"], t_crit=crit))
+            b.append(
+                dict(
+                    task=task.name,
+                    gefen=g,
+                    metric=metric,
+                    ok=close and not signif,
+                    within_tolerance=close,
+                    significantly_worse=signif,
+                    diff=c["diff"],
+                    rel=c["rel"],
+                    t=c["t"],
+                    t_crit=crit,
+                )
+            )
     return dict(a=a, b=b, a_met=all(x["ok"] for x in a), b_met=all(x["ok"] for x in b))
 
 
@@ -163,40 +193,70 @@ def _diff(c: dict | None, pct: bool, scale: float = 1.0) -> str:
     return f"{s} ({z}{', ' + t if t else ''})"
 
 
-def markdown(summary: dict, g: dict, chosen: list[tasks.Task], optimizers: list[str],
-             rev: dict, ignored: dict, cmd: str, wall: str) -> str:
+def markdown(
+    summary: dict,
+    g: dict,
+    chosen: list[tasks.Task],
+    optimizers: list[str],
+    rev: dict,
+    ignored: dict,
+    cmd: str,
+    wall: str,
+) -> str:
     L = ["# Gefen against its peers: quality, state and step time", ""]
-    L += [f"Command: `{cmd}`  ",
-          f"Machine: {platform.machine()}, {_cores()} cores, torch {_torch()}, Python "
-          f"{platform.python_version()}, one torch thread per run, at most 2 runs at once.  ",
-          f"Code revision (last commit touching `gefen_dist/`): `{rev['code']}`, HEAD "
-          f"`{rev['head']}`. Only records of this revision and these settings are used"
-          + (f"; ignored {sum(ignored.values())} stored record(s) of other revisions "
-             f"({', '.join(ignored)})." if ignored else ".") + "  ",
-          f"Written {time.strftime('%Y-%m-%d %H:%M')}. {wall}", ""]
-    L += ["Every optimizer of a task: same init, same data order and the same warmup + cosine "
-          "schedule for each seed; the AdamW-like methods (Gefen, bitsandbytes, torchao, "
-          "Adam-mini) get exactly AdamW's lr, betas and weight decay. Metric: final validation "
-          "loss (nats; bytes for the LMs) and, for classification, accuracy. Δ is the mean "
-          "paired (same-seed) difference to AdamW; σ is AdamW's seed standard deviation; t the "
-          "paired t statistic. Bytes/param: every storage reachable from the optimizer state "
-          "(quantised tensors unpacked, shared maps once, step counters included) / trainable "
-          "parameters.", ""]
-    scaled = [f"{p.label} lr × {p.lr_scale:g}" for p in peers.PEERS.values()
-              if p.name in optimizers and p.lr_scale != 1.0]
+    L += [
+        f"Command: `{cmd}`  ",
+        f"Machine: {platform.machine()}, {_cores()} cores, torch {_torch()}, Python "
+        f"{platform.python_version()}, one torch thread per run, at most 2 runs at once.  ",
+        f"Code revision (last commit touching `gefen_dist/`): `{rev['code']}`, HEAD "
+        f"`{rev['head']}`. Only records of this revision and these settings are used"
+        + (
+            f"; ignored {sum(ignored.values())} stored record(s) of other revisions "
+            f"({', '.join(ignored)})."
+            if ignored
+            else "."
+        )
+        + "  ",
+        f"Written {time.strftime('%Y-%m-%d %H:%M')}. {wall}",
+        "",
+    ]
+    L += [
+        "Every optimizer of a task: same init, same data order and the same warmup + cosine "
+        "schedule for each seed; the AdamW-like methods (Gefen, bitsandbytes, torchao, "
+        "Adam-mini) get exactly AdamW's lr, betas and weight decay. Metric: final validation "
+        "loss (nats; bytes for the LMs) and, for classification, accuracy. Δ is the mean "
+        "paired (same-seed) difference to AdamW; σ is AdamW's seed standard deviation; t the "
+        "paired t statistic. Bytes/param: every storage reachable from the optimizer state "
+        "(quantised tensors unpacked, shared maps once, step counters included) / trainable "
+        "parameters.",
+        "",
+    ]
+    scaled = [
+        f"{p.label} lr × {p.lr_scale:g}"
+        for p in peers.PEERS.values()
+        if p.name in optimizers and p.lr_scale != 1.0
+    ]
     if scaled:
-        L += ["Peers whose lr means something else run with a scaled lr: " + "; ".join(scaled)
-              + f" ({peers.LR_SCALE_NOTE})", ""]
+        L += [
+            "Peers whose lr means something else run with a scaled lr: "
+            + "; ".join(scaled)
+            + f" ({peers.LR_SCALE_NOTE})",
+            "",
+        ]
     L += ["## Goals", ""]
     L += _goal_lines(g)
     L += ["", "![validation loss](loss_curves.png)", ""]
     for task in chosen:
         h = task.hyper
-        L += [f"## {task.name}: {task.label}", "",
-              f"{summary[task.name].get('adamw', {}).get('params', '?')} parameters; "
-              f"{h.steps} steps, lr {h.lr:g}, betas {h.betas}, weight decay {h.weight_decay:g}, "
-              f"warmup {h.warmup_frac:.0%}, cosine to {h.min_lr_frac:.0%}, clip {h.grad_clip:g}; "
-              f"sizes {json.dumps(task.sizes)}", ""]
+        L += [
+            f"## {task.name}: {task.label}",
+            "",
+            f"{summary[task.name].get('adamw', {}).get('params', '?')} parameters; "
+            f"{h.steps} steps, lr {h.lr:g}, betas {h.betas}, weight decay {h.weight_decay:g}, "
+            f"warmup {h.warmup_frac:.0%}, cosine to {h.min_lr_frac:.0%}, clip {h.grad_clip:g}; "
+            f"sizes {json.dumps(task.sizes)}",
+            "",
+        ]
         cls = task.kind == "cls"
         head = "| optimizer | val loss | Δ loss vs AdamW |"
         if cls:
@@ -210,45 +270,67 @@ def markdown(summary: dict, g: dict, chosen: list[tasks.Task], optimizers: list[
                 continue
             row = f"| {c['label']} | {_pm(c['val_loss'], '.4f')} | {_diff(c['val_loss'], True)} |"
             if cls:
-                row += (f" {_pm(c.get('val_acc'), '.1f', 100)} |"
-                        f" {_diff(c.get('val_acc'), False, 100)} |")
+                row += (
+                    f" {_pm(c.get('val_acc'), '.1f', 100)} |"
+                    f" {_diff(c.get('val_acc'), False, 100)} |"
+                )
             row += f" {c['bytes_per_param']:.3f} | {c['step_ms']:.1f} | {len(c['seeds'])} |"
             L.append(row)
             if c["status"] == "partial":
                 L.append(f"| ↳ {c['reason'][:150]} |")
         L += [""] + _fallback_lines(summary[task.name], task, g) + [""]
-    L += ["## State and step time", "", "![state bytes per parameter](state_bytes.png)", "",
-          "![median step time](step_time.png)", ""]
+    L += [
+        "## State and step time",
+        "",
+        "![state bytes per parameter](state_bytes.png)",
+        "",
+        "![median step time](step_time.png)",
+        "",
+    ]
     return "\n".join(L)
 
 
 def _goal_lines(g: dict) -> list[str]:
-    L = [f"**(a) Gefen's state at or below every peer that keeps a first moment, on every task: "
-         f"{'MET' if g['a_met'] else 'MISSED'}.**", ""]
+    L = [
+        f"**(a) Gefen's state at or below every peer that keeps a first moment, on every task: "
+        f"{'MET' if g['a_met'] else 'MISSED'}.**",
+        "",
+    ]
     for x in g["a"]:
         if not x["ok"]:
             if "note" in x:
                 L.append(f"- {x['task']}, {x['gefen']}: {x['note']}")
                 continue
             peers_ = ", ".join(f"{peers.PEERS[o].label} {v:.3f}" for o, v in x["below"].items())
-            L.append(f"- missed on {x['task']}: {x['gefen']} {x['bytes_per_param']:.3f} "
-                     f"bytes/param, above {peers_}")
-    L += ["", f"**(b) Gefen 8-bit within 1 % of AdamW's val loss, 4-bit within 2 % "
-          f"(classification: 0.5 accuracy points), not significantly worse: "
-          f"{'MET' if g['b_met'] else 'MISSED'}.**", ""]
+            L.append(
+                f"- missed on {x['task']}: {x['gefen']} {x['bytes_per_param']:.3f} "
+                f"bytes/param, above {peers_}"
+            )
+    L += [
+        "",
+        f"**(b) Gefen 8-bit within 1 % of AdamW's val loss, 4-bit within 2 % "
+        f"(classification: 0.5 accuracy points), not significantly worse: "
+        f"{'MET' if g['b_met'] else 'MISSED'}.**",
+        "",
+    ]
     for x in g["b"]:
         if "note" in x:
             L.append(f"- {x['task']}, {x['gefen']}: MISSED ({x['note']})")
             continue
-        what = (f"{100 * x['rel']:+.2f} % val loss" if x["metric"] == "val_loss"
-                else f"{100 * x['diff']:+.2f} accuracy points")
+        what = (
+            f"{100 * x['rel']:+.2f} % val loss"
+            if x["metric"] == "val_loss"
+            else f"{100 * x['diff']:+.2f} accuracy points"
+        )
         why = []
         if not x["within_tolerance"]:
             why.append("outside the tolerance")
         if x["significantly_worse"]:
             why.append(f"significantly worse (t {x['t']:+.1f} > {x['t_crit']:.2f})")
-        L.append(f"- {x['task']}, {x['gefen']}: {what}: " + ("met" if x["ok"] else
-                                                            "MISSED, " + " and ".join(why)))
+        L.append(
+            f"- {x['task']}, {x['gefen']}: {what}: "
+            + ("met" if x["ok"] else "MISSED, " + " and ".join(why))
+        )
     return L
 
 
@@ -263,15 +345,23 @@ def _fallback_lines(cells: dict, task: tasks.Task, g: dict) -> list[str]:
             continue
         fb = [t for t in c["tensors"] if t["fallback_numel"]]
         share = c["fallback_numel"] / max(1, c["params"])
-        L.append(f"{c['label']}: {c['fallback_numel']} of {c['params']} parameters "
-                 f"({share:.1%}) at B = 1 in {len(fb)} tensors"
-                 + (" — above a momentum peer; those tensors:" if name in missed else "."))
+        L.append(
+            f"{c['label']}: {c['fallback_numel']} of {c['params']} parameters "
+            f"({share:.1%}) at B = 1 in {len(fb)} tensors"
+            + (" — above a momentum peer; those tensors:" if name in missed else ".")
+        )
         if name in missed:
-            L += ["", "| tensor | shape | numel | block sizes | state bytes |",
-                  "|---|---|---|---|---|"]
-            L += [f"| {t['name'].split(chr(39))[1] if chr(39) in t['name'] else t['name']} | "
-                  f"{tuple(t['shape'])} | {t['numel']} | "
-                  f"{','.join(map(str, t['block_sizes']))} | {t['state_bytes']} |" for t in fb]
+            L += [
+                "",
+                "| tensor | shape | numel | block sizes | state bytes |",
+                "|---|---|---|---|---|",
+            ]
+            L += [
+                f"| {t['name'].split(chr(39))[1] if chr(39) in t['name'] else t['name']} | "
+                f"{tuple(t['shape'])} | {t['numel']} | "
+                f"{','.join(map(str, t['block_sizes']))} | {t['state_bytes']} |"
+                for t in fb
+            ]
             L.append("")
     return L
 
@@ -310,8 +400,14 @@ def figures(out: Path, summary: dict, chosen: list[tasks.Task], optimizers: list
             xs = [p["step"] for p in c["curve"]]
             ys = [p["val_loss"] for p in c["curve"]]
             lw = 1.8 if opt in GEFEN or opt == "adamw" else 1.0
-            ax.plot(xs, ys, color=COLORS.get(opt), lw=lw, label=c["label"],
-                    zorder=3 if opt in GEFEN or opt == "adamw" else 2)
+            ax.plot(
+                xs,
+                ys,
+                color=COLORS.get(opt),
+                lw=lw,
+                label=c["label"],
+                zorder=3 if opt in GEFEN or opt == "adamw" else 2,
+            )
             tail += [y for x, y in zip(xs, ys, strict=True) if x >= 0.3 * xs[-1]]
         if tail:  # zoom on the part of the run where optimizers differ
             lo, hi = min(tail), sorted(tail)[int(0.9 * (len(tail) - 1))]
@@ -328,17 +424,20 @@ def figures(out: Path, summary: dict, chosen: list[tasks.Task], optimizers: list
         list(axes.flat)[-1].legend(handles, labels, loc="center", frameon=False)
     else:  # no spare panel: the legend goes beside the panels
         fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    fig.suptitle("Validation loss (mean over seeds; y zoomed on the last 70 % of training)",
-                 fontsize=9)
+    fig.suptitle(
+        "Validation loss (mean over seeds; y zoomed on the last 70 % of training)", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(out / "loss_curves.png", dpi=90, bbox_inches="tight")
     plt.close(fig)
 
-    for key, fname, xlabel in (("bytes_per_param", "state_bytes.png",
-                                "optimizer state, bytes per parameter (AdamW = 8)"),
-                               ("step_ms", "step_time.png", "median step time, ms (1 thread)")):
-        fig, axes = plt.subplots(1, n, figsize=(2.5 * n + 1.4, 0.28 * len(optimizers) + 1.0),
-                                 squeeze=False, sharey=True)
+    for key, fname, xlabel in (
+        ("bytes_per_param", "state_bytes.png", "optimizer state, bytes per parameter (AdamW = 8)"),
+        ("step_ms", "step_time.png", "median step time, ms (1 thread)"),
+    ):
+        fig, axes = plt.subplots(
+            1, n, figsize=(2.5 * n + 1.4, 0.28 * len(optimizers) + 1.0), squeeze=False, sharey=True
+        )
         for j, (ax, task) in enumerate(zip(axes.flat, chosen, strict=True)):
             cells = summary[task.name]
             ys = list(range(len(optimizers)))[::-1]
@@ -360,16 +459,33 @@ def figures(out: Path, summary: dict, chosen: list[tasks.Task], optimizers: list
         plt.close(fig)
 
 
-def write(out: Path, rows: list[dict], chosen: list[tasks.Task], optimizers: list[str],
-          rev: dict, ignored: dict, cmd: str, wall: str = "") -> Path:
+def write(
+    out: Path,
+    rows: list[dict],
+    chosen: list[tasks.Task],
+    optimizers: list[str],
+    rev: dict,
+    ignored: dict,
+    cmd: str,
+    wall: str = "",
+) -> Path:
     summary = summarize(rows, chosen, optimizers)
     g = goals(summary, chosen)
     figures(out, summary, chosen, optimizers)
-    (out / "results.json").write_text(json.dumps(dict(
-        command=cmd, revision=rev, ignored_other_revisions=ignored,
-        tasks={t.name: t.settings() for t in chosen},
-        lr_scale={o: peers.PEERS[o].lr_scale for o in optimizers},
-        summary=summary, goals=g), indent=1))
+    (out / "results.json").write_text(
+        json.dumps(
+            dict(
+                command=cmd,
+                revision=rev,
+                ignored_other_revisions=ignored,
+                tasks={t.name: t.settings() for t in chosen},
+                lr_scale={o: peers.PEERS[o].lr_scale for o in optimizers},
+                summary=summary,
+                goals=g,
+            ),
+            indent=1,
+        )
+    )
     path = out / "report.md"
     path.write_text(markdown(summary, g, chosen, optimizers, rev, ignored, cmd, wall))
     return path

@@ -55,22 +55,38 @@ def settings_hash(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def key(task: str, optimizer: str, seed: int, settings: dict[str, Any],
-        rev: dict[str, str]) -> str:
+def key(task: str, optimizer: str, seed: int, settings: dict[str, Any], rev: dict[str, str]) -> str:
     return f"{task}|{optimizer}|{seed}|{settings_hash(settings)}|{rev['code']}"
 
 
-def record(k: str, task: str, optimizer: str, seed: int, settings: dict[str, Any],
-           rev: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
+def record(
+    k: str,
+    task: str,
+    optimizer: str,
+    seed: int,
+    settings: dict[str, Any],
+    rev: dict[str, str],
+    body: dict[str, Any],
+) -> dict[str, Any]:
     import platform
     import time
 
     import torch
 
-    return dict(key=k, revision=rev["code"], head=rev["head"], task=task, optimizer=optimizer,
-                seed=seed, settings=settings, settings_hash=settings_hash(settings),
-                torch=torch.__version__, machine=f"{platform.machine()} {platform.system()}",
-                time=time.strftime("%Y-%m-%dT%H:%M:%S"), **body)
+    return dict(
+        key=k,
+        revision=rev["code"],
+        head=rev["head"],
+        task=task,
+        optimizer=optimizer,
+        seed=seed,
+        settings=settings,
+        settings_hash=settings_hash(settings),
+        torch=torch.__version__,
+        machine=f"{platform.machine()} {platform.system()}",
+        time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **body,
+    )
 
 
 class Store:

@@ -38,8 +38,9 @@ def run_one(task: tasks.Task, optimizer: str, seed: int) -> dict[str, Any]:
     inst = tasks.build(task, seed)
     model = inst.model
     try:
-        opt = peers.build(optimizer, model, h.lr, betas=h.betas, weight_decay=h.weight_decay,
-                          **inst.model_info)
+        opt = peers.build(
+            optimizer, model, h.lr, betas=h.betas, weight_decay=h.weight_decay, **inst.model_info
+        )
     except peers.Unavailable as e:
         return dict(status="skipped", reason=str(e))
     eval_at = {max(1, round(h.steps * (i + 1) / h.evals)) for i in range(h.evals)}
@@ -57,27 +58,43 @@ def run_one(task: tasks.Task, optimizer: str, seed: int) -> dict[str, Any]:
         window.append(loss.item())
         step_ms.append(1000 * (time.perf_counter() - t0))
         if not all(map(_finite, window[-1:])):
-            return dict(status="failed", reason=f"loss became {window[-1]} at step {step}",
-                        curve=curve)
+            return dict(
+                status="failed", reason=f"loss became {window[-1]} at step {step}", curve=curve
+            )
         if step in eval_at:
-            curve.append(dict(step=step, train_loss=sum(window) / len(window),
-                              **inst.evaluate(model)))
+            curve.append(
+                dict(step=step, train_loss=sum(window) / len(window), **inst.evaluate(model))
+            )
             window = []
     n = peers.trainable_numel(model)
     sb = peers.state_bytes(opt)
     rec: dict[str, Any] = dict(
-        status="ok", curve=curve, final=dict(curve[-1]), state_bytes=sb, params=n,
-        bytes_per_param=sb / n, step_ms_median=statistics.median(step_ms[1:] or step_ms),
+        status="ok",
+        curve=curve,
+        final=dict(curve[-1]),
+        state_bytes=sb,
+        params=n,
+        bytes_per_param=sb / n,
+        step_ms_median=statistics.median(step_ms[1:] or step_ms),
         step_ms_first=step_ms[0],
     )
     if hasattr(opt, "memory_report"):
         rep = opt.memory_report()
         rec["gefen"] = dict(
-            bytes_per_param=rep["bytes_per_param"], fallback_numel=rep["fallback_numel"],
+            bytes_per_param=rep["bytes_per_param"],
+            fallback_numel=rep["fallback_numel"],
             backend=rep["backend"],
-            tensors=[dict(name=t["name"], shape=list(t["shape"]), numel=t["numel"],
-                          block_sizes=t["block_sizes"], fallback_numel=t["fallback_numel"],
-                          state_bytes=t["state_bytes"]) for t in rep["tensors"]],
+            tensors=[
+                dict(
+                    name=t["name"],
+                    shape=list(t["shape"]),
+                    numel=t["numel"],
+                    block_sizes=t["block_sizes"],
+                    fallback_numel=t["fallback_numel"],
+                    state_bytes=t["state_bytes"],
+                )
+                for t in rep["tensors"]
+            ],
         )
     return rec
 
@@ -94,29 +111,47 @@ def _worker(argv: list[str]) -> None:
     try:
         body = run_one(task, job["optimizer"], job["seed"])
     except Exception as e:  # the report lists a crashing peer with its reason
-        body = dict(status="failed", reason=f"{type(e).__name__}: {e}",
-                    traceback=traceback.format_exc()[-3000:])
+        body = dict(
+            status="failed",
+            reason=f"{type(e).__name__}: {e}",
+            traceback=traceback.format_exc()[-3000:],
+        )
     Path(out_path).write_text(json.dumps(body))
 
 
 def _spawn(task: tasks.Task, optimizer: str, seed: int, timeout: float) -> dict[str, Any]:
-    job = dict(task=dict(name=task.name, label=task.label, kind=task.kind,
-                         hyper=_asdict(task.hyper), sizes=task.sizes),
-               optimizer=optimizer, seed=seed)
+    job = dict(
+        task=dict(
+            name=task.name,
+            label=task.label,
+            kind=task.kind,
+            hyper=_asdict(task.hyper),
+            sizes=task.sizes,
+        ),
+        optimizer=optimizer,
+        seed=seed,
+    )
     with tempfile.TemporaryDirectory(prefix="gefen_bench_") as d:
         jp, op = Path(d, "job.json"), Path(d, "out.json")
         jp.write_text(json.dumps(job))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         try:
-            p = subprocess.run([sys.executable, "-m", "gefen_dist.bench.suite", "--worker",
-                                str(jp), str(op)], capture_output=True, text=True,
-                               timeout=timeout, env=env)
+            p = subprocess.run(
+                [sys.executable, "-m", "gefen_dist.bench.suite", "--worker", str(jp), str(op)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=env,
+            )
         except subprocess.TimeoutExpired:
             return dict(status="failed", reason=f"timed out after {timeout:.0f} s")
         if op.exists():
             return json.loads(op.read_text())
-        return dict(status="failed", reason=f"worker exited {p.returncode}: "
-                    + (p.stderr.strip().splitlines() or ["no output"])[-1][-300:])
+        return dict(
+            status="failed",
+            reason=f"worker exited {p.returncode}: "
+            + (p.stderr.strip().splitlines() or ["no output"])[-1][-300:],
+        )
 
 
 def _asdict(h: tasks.Hyper) -> dict:
@@ -131,10 +166,19 @@ def settings_of(task: tasks.Task, optimizer: str) -> dict[str, Any]:
     return dict(task.settings(), lr_scale=peers.PEERS[optimizer].lr_scale)
 
 
-def compare(out: Path, task_names: list[str], optimizers: list[str], seeds: list[int],
-            scale: float = 1.0, jobs: int = 2, store_path: Path | None = None,
-            timeout: float = 900.0, quiet: bool = False, cmd: str = "",
-            smoke: bool = False) -> Path:
+def compare(
+    out: Path,
+    task_names: list[str],
+    optimizers: list[str],
+    seeds: list[int],
+    scale: float = 1.0,
+    jobs: int = 2,
+    store_path: Path | None = None,
+    timeout: float = 900.0,
+    quiet: bool = False,
+    cmd: str = "",
+    smoke: bool = False,
+) -> Path:
     """Run every missing (task, optimizer, seed), append each to the store as it finishes,
     then write the report into ``out``. Returns the report path."""
     from gefen_dist.bench import report
@@ -151,8 +195,10 @@ def compare(out: Path, task_names: list[str], optimizers: list[str], seeds: list
                 if st.get(key) is None:
                     todo.append((task, opt, seed, key))
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    say(f"revision {rev['code']}: {len(todo)} runs to do, "
-        f"{len(chosen) * len(optimizers) * len(seeds) - len(todo)} reused from {st.path}")
+    say(
+        f"revision {rev['code']}: {len(todo)} runs to do, "
+        f"{len(chosen) * len(optimizers) * len(seeds) - len(todo)} reused from {st.path}"
+    )
     t_start = time.time()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futs = {pool.submit(_spawn, t, o, s, timeout): (t, o, s, k) for t, o, s, k in todo}
@@ -161,30 +207,48 @@ def compare(out: Path, task_names: list[str], optimizers: list[str], seeds: list
             body = fut.result()
             st.add(store.record(key, task.name, opt, seed, settings_of(task, opt), rev, body))
             fin = body.get("final", {})
-            say(f"[{i}/{len(todo)} {time.time() - t_start:6.0f}s] {task.name:7s} {opt:18s} "
+            say(
+                f"[{i}/{len(todo)} {time.time() - t_start:6.0f}s] {task.name:7s} {opt:18s} "
                 f"seed {seed}: {body['status']} "
-                + (f"val_loss {fin['val_loss']:.4f} {body['bytes_per_param']:.2f} B/param "
-                   f"{body['step_ms_median']:.1f} ms" if body["status"] == "ok"
-                   else body.get("reason", "")[:160]))
-    rows = [st.get(store.key(t.name, o, s, settings_of(t, o), rev))
-            for t in chosen for o in optimizers for s in seeds]
+                + (
+                    f"val_loss {fin['val_loss']:.4f} {body['bytes_per_param']:.2f} B/param "
+                    f"{body['step_ms_median']:.1f} ms"
+                    if body["status"] == "ok"
+                    else body.get("reason", "")[:160]
+                )
+            )
+    rows = [
+        st.get(store.key(t.name, o, s, settings_of(t, o), rev))
+        for t in chosen
+        for o in optimizers
+        for s in seeds
+    ]
     ignored = st.other_revisions(rev)
-    wall = (f"This invocation ran {len(todo)} run(s) in {time.time() - t_start:.0f} s"
-            f" and reused {len(rows) - len(todo)}.")
+    wall = (
+        f"This invocation ran {len(todo)} run(s) in {time.time() - t_start:.0f} s"
+        f" and reused {len(rows) - len(todo)}."
+    )
     return report.write(out, [r for r in rows if r], chosen, optimizers, rev, ignored, cmd, wall)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("results/bench"))
-    p.add_argument("--store", type=Path, default=None,
-                   help="JSONL store (default OUT/runs.jsonl); done runs are skipped")
+    p.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        help="JSONL store (default OUT/runs.jsonl); done runs are skipped",
+    )
     p.add_argument("--tasks", default=",".join(tasks.TASKS))
     p.add_argument("--optimizers", default=None, help="comma list (default: all peers)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--jobs", type=int, default=2, help="runs at once (one per core)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every task's steps")
-    p.add_argument("--smoke", action="store_true",
-                   help="1 seed, 3 %% of the steps, 4 optimizers: an end-to-end check (<2 min)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="1 seed, 3 %% of the steps, 4 optimizers: an end-to-end check (<2 min)",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
 
 
@@ -205,8 +269,18 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         p.error(f"unknown tasks {bad}; known: {', '.join(tasks.TASKS)}")
     cmd = "python -m gefen_dist.bench compare " + " ".join(sys.argv[1:] if argv is None else argv)
-    path = compare(a.out, names, opts, list(range(seeds)), scale, a.jobs, a.store, a.timeout,
-                   cmd=cmd.strip(), smoke=a.smoke)
+    path = compare(
+        a.out,
+        names,
+        opts,
+        list(range(seeds)),
+        scale,
+        a.jobs,
+        a.store,
+        a.timeout,
+        cmd=cmd.strip(),
+        smoke=a.smoke,
+    )
     print(f"report: {path}")
 
 

@@ -182,8 +182,16 @@ class LlamaBlock(nn.Module):
 class Llama(nn.Module):
     """Byte-level Llama: RMSNorm, SwiGLU, rotary, GQA, no biases, tied embedding."""
 
-    def __init__(self, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, hidden: int,
-                 seq: int, vocab: int = 256):
+    def __init__(
+        self,
+        dim: int,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        hidden: int,
+        seq: int,
+        vocab: int = 256,
+    ):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(
@@ -240,11 +248,15 @@ class ResNet(nn.Module):
 
     def __init__(self, c: int, blocks: int, classes: int = 10):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c),
-                                  nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU()
+        )
         self.stage1 = nn.Sequential(*(ResBlock(c) for _ in range(blocks)))
-        self.down = nn.Sequential(nn.Conv2d(c, 2 * c, 3, stride=2, padding=1, bias=False),
-                                  nn.BatchNorm2d(2 * c), nn.ReLU())
+        self.down = nn.Sequential(
+            nn.Conv2d(c, 2 * c, 3, stride=2, padding=1, bias=False),
+            nn.BatchNorm2d(2 * c),
+            nn.ReLU(),
+        )
         self.stage2 = nn.Sequential(*(ResBlock(2 * c) for _ in range(blocks)))
         self.fc = nn.Linear(2 * c, classes)
 
@@ -255,8 +267,9 @@ class ResNet(nn.Module):
 
 def _mlp(sizes: dict) -> nn.Module:
     w = sizes["width"]
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, w), nn.GELU(), nn.Linear(w, w), nn.GELU(),
-                         nn.Linear(w, 10))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(64, w), nn.GELU(), nn.Linear(w, w), nn.GELU(), nn.Linear(w, 10)
+    )
 
 
 # -- the task table ---------------------------------------------------------------------------
@@ -264,19 +277,41 @@ _LM = dict(max_bytes=4 * 2**20, batch=8, seq=64, val_batches=8)
 TASKS: dict[str, Task] = {
     t.name: t
     for t in (
-        Task("gpt2", "GPT-2-style byte LM (LayerNorm, fused qkv, biases; d=128, 2 layers)", "lm",
-             Hyper(steps=220, lr=3e-3, evals=8), dict(_LM, n_layer=2, n_head=4, n_embd=128)),
-        Task("llama", "Llama-style byte LM (RMSNorm, SwiGLU 512, rotary, GQA 6/2 heads, d=192)",
-             "lm", Hyper(steps=180, lr=3e-3, evals=8),
-             dict(_LM, dim=192, n_layers=2, n_heads=6, n_kv_heads=2, hidden=512)),
-        Task("resnet", "ResNet-style CNN with BatchNorm on sklearn digits (24/48 channels)", "cls",
-             Hyper(steps=300, lr=2e-3, betas=(0.9, 0.999), evals=8),
-             dict(c=24, blocks=1, batch=64)),
-        Task("mlp", "MLP 64-256-256-10 (GELU) on flattened sklearn digits", "cls",
-             Hyper(steps=800, lr=1e-3, betas=(0.9, 0.999)), dict(width=256, batch=64)),
-        Task("gru", "GRU byte LM (embedding 64, hidden 192, 1 layer)", "lm",
-             Hyper(steps=220, lr=3e-3, evals=8),
-             dict(_LM, emb=64, hidden=192, layers=1, batch=16, seq=48)),
+        Task(
+            "gpt2",
+            "GPT-2-style byte LM (LayerNorm, fused qkv, biases; d=128, 2 layers)",
+            "lm",
+            Hyper(steps=220, lr=3e-3, evals=8),
+            dict(_LM, n_layer=2, n_head=4, n_embd=128),
+        ),
+        Task(
+            "llama",
+            "Llama-style byte LM (RMSNorm, SwiGLU 512, rotary, GQA 6/2 heads, d=192)",
+            "lm",
+            Hyper(steps=180, lr=3e-3, evals=8),
+            dict(_LM, dim=192, n_layers=2, n_heads=6, n_kv_heads=2, hidden=512),
+        ),
+        Task(
+            "resnet",
+            "ResNet-style CNN with BatchNorm on sklearn digits (24/48 channels)",
+            "cls",
+            Hyper(steps=300, lr=2e-3, betas=(0.9, 0.999), evals=8),
+            dict(c=24, blocks=1, batch=64),
+        ),
+        Task(
+            "mlp",
+            "MLP 64-256-256-10 (GELU) on flattened sklearn digits",
+            "cls",
+            Hyper(steps=800, lr=1e-3, betas=(0.9, 0.999)),
+            dict(width=256, batch=64),
+        ),
+        Task(
+            "gru",
+            "GRU byte LM (embedding 64, hidden 192, 1 layer)",
+            "lm",
+            Hyper(steps=220, lr=3e-3, evals=8),
+            dict(_LM, emb=64, hidden=192, layers=1, batch=16, seq=48),
+        ),
     )
 }
 
@@ -324,12 +359,14 @@ def build(task: Task, seed: int) -> Instance:
     torch.manual_seed(seed)
     info: dict[str, int] = {}
     if task.name == "gpt2":
-        model: nn.Module = GPT(GPTConfig(block_size=s["seq"], n_layer=s["n_layer"],
-                                         n_head=s["n_head"], n_embd=s["n_embd"]))
+        model: nn.Module = GPT(
+            GPTConfig(
+                block_size=s["seq"], n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"]
+            )
+        )
         info = dict(dim=s["n_embd"], n_heads=s["n_head"], n_kv_heads=s["n_head"])
     elif task.name == "llama":
-        model = Llama(s["dim"], s["n_layers"], s["n_heads"], s["n_kv_heads"], s["hidden"],
-                      s["seq"])
+        model = Llama(s["dim"], s["n_layers"], s["n_heads"], s["n_kv_heads"], s["hidden"], s["seq"])
         info = dict(dim=s["dim"], n_heads=s["n_heads"], n_kv_heads=s["n_kv_heads"])
     elif task.name == "gru":
         model = GRULM(s["emb"], s["hidden"], s["layers"])
@@ -359,7 +396,9 @@ def build(task: Task, seed: int) -> Instance:
         m.eval()
         logits = m(xv)
         m.train()
-        return dict(val_loss=float(F.cross_entropy(logits, yv)),
-                    val_acc=float((logits.argmax(1) == yv).float().mean()))
+        return dict(
+            val_loss=float(F.cross_entropy(logits, yv)),
+            val_acc=float((logits.argmax(1) == yv).float().mean()),
+        )
 
     return Instance(model, _cls_batches(s, seed), _cls_loss, evaluate_cls, info)
