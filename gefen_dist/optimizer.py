@@ -188,7 +188,8 @@ class Gefen(Optimizer):
         return torch.device("cpu")
 
     def _cut_block_absmax(self, plan, block_of) -> dict[Hashable, dict[int, float]]:
-        """Whole-block absmax of g0 for blocks cut by a shard boundary, so that every rank
+        """Whole-block absmax of g0 for blocks cut by a shard boundary (and of every column of a
+        column-blocked tensor spread over ranks), so that every rank
         normalises its piece of such a block as one process would and the summed histogram
         (hence the codebook) is the single-process one."""
         if self._group is None:
@@ -198,7 +199,15 @@ class Gefen(Optimizer):
             flat_g = _flat(sharding.local(p.grad), p, self)
             for seg, key in zip(segs, keys, strict=True):
                 bs = block_of[key]
-                if not isinstance(key, str) or bs <= 1:
+                if not isinstance(key, str) or bs == 1:
+                    continue
+                if bs < 0:
+                    piece = flat_g[seg.offset : seg.offset + seg.numel]
+                    cols = torch.zeros(-bs)
+                    k = (seg.start + torch.arange(min(seg.numel, -bs))) % -bs
+                    cols[k] = _column_absmax(piece, -bs).cpu()
+                    prev = local.setdefault(key, {}).get(-1)
+                    local[key][-1] = cols if prev is None else torch.maximum(prev, cols)
                     continue
                 for run in block_runs(seg.start, seg.numel, bs):
                     if run.length < bs:
@@ -212,7 +221,10 @@ class Gefen(Optimizer):
             for key, blocks in other.items():
                 if key in local:
                     for b, amax in blocks.items():
-                        out.setdefault(key, {})[b] = max(out.get(key, {}).get(b, 0.0), amax)
+                        had = out.setdefault(key, {}).get(b)
+                        if had is not None:  # b = -1: every column's absmax, as a tensor
+                            amax = torch.maximum(had, amax) if b == -1 else max(had, amax)
+                        out[key][b] = amax
         return out
 
     def _any_rank_pending(self, pending: bool) -> bool:
@@ -570,7 +582,7 @@ def _histogram(
     if block_size == 1:
         return
     if block_size < 0:
-        _column_histogram(g, -block_size, counts)
+        _column_histogram(g, seg.start, -block_size, counts, cut.get(-1))
         return
     if g.is_cuda and g.dtype in native_cuda.DTYPES and native_cuda.available(g.device):
         head, tail = seg.start // block_size, (seg.start + seg.numel - 1) // block_size
@@ -590,12 +602,10 @@ def _histogram(
         cb.histogram(x[keep] / amax[keep], cb.DEFAULT_BINS, out=counts)
 
 
-def _column_histogram(g: torch.Tensor, period: int, counts: torch.Tensor) -> None:
-    """``_histogram`` for column blocks: each of the segment's columns normalised by its own
-    absmax (a column cut by a shard is one block per piece, as its state is)."""
+def _column_absmax(g: torch.Tensor, period: int) -> torch.Tensor:
+    """max |g| of each of a segment's column blocks (block k: its elements i = k mod period)."""
     n = g.numel()
-    nb = min(n, period)
-    amax = torch.zeros(nb, dtype=torch.float32, device=g.device)
+    amax = torch.zeros(min(n, period), dtype=torch.float32, device=g.device)
     step = max(1, CHUNK // period) * period
     for a in range(0, n, step):
         x = g[a : min(a + step, n)].float()
@@ -604,7 +614,22 @@ def _column_histogram(g: torch.Tensor, period: int, counts: torch.Tensor) -> Non
             torch.maximum(amax, x[:whole].view(-1, period).abs().amax(dim=0), out=amax)
         tail = x[whole:].abs()
         torch.maximum(amax[: tail.numel()], tail, out=amax[: tail.numel()])
+    return amax
+
+
+def _column_histogram(
+    g: torch.Tensor, start: int, period: int, counts: torch.Tensor, columns: torch.Tensor | None
+) -> None:
+    """``_histogram`` for column blocks: each column normalised by its absmax, that of the whole
+    column (``columns``, indexed by column) when the tensor is spread over ranks."""
+    n = g.numel()
+    nb = min(n, period)
+    if columns is None:
+        amax = _column_absmax(g, period)
+    else:
+        amax = columns.to(g.device)[(start + torch.arange(nb, device=g.device)) % period]
     scale = torch.where(amax > 0, amax, torch.ones_like(amax))
+    step = max(1, CHUNK // period) * period
     for a in range(0, n, step):
         x = g[a : min(a + step, n)].float()
         cols = torch.arange(x.numel(), device=g.device) % nb

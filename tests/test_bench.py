@@ -39,8 +39,12 @@ def test_state_bytes_unpacks_torchao_quantised_tensors():
     opt = peers.build("torchao_adamw8bit", model, 1e-3)
     _step(model, opt)
     n = peers.trainable_numel(model)
-    logical = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-                  if isinstance(t, torch.Tensor))
+    logical = sum(
+        t.numel() * t.element_size()
+        for st in opt.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
     assert logical >= 8 * n  # what a naive count of the subclass would claim
     assert 2 * n <= peers.state_bytes(opt) < 2.2 * n  # what is stored: 1 byte per moment
 
@@ -98,8 +102,16 @@ def _fake_spawn(calls):
         loss = 2.0 + 0.01 * seed + (0.05 if opt == "gefen4" else 0.0)
         bpp = dict(adamw=8.0, gefen4=0.6, bnb_adamw8bit=0.5)[opt]
         curve = [dict(step=0, val_loss=3.0), dict(step=10, val_loss=loss)]
-        return dict(status="ok", curve=curve, final=curve[-1], state_bytes=int(bpp * 100),
-                    params=100, bytes_per_param=bpp, step_ms_median=1.0, step_ms_first=1.0)
+        return dict(
+            status="ok",
+            curve=curve,
+            final=curve[-1],
+            state_bytes=int(bpp * 100),
+            params=100,
+            bytes_per_param=bpp,
+            step_ms_median=1.0,
+            step_ms_first=1.0,
+        )
 
     return spawn
 
@@ -141,12 +153,24 @@ def test_smoke_compare_end_to_end_lists_a_missing_peer_as_skipped(tmp_path):
     (fake / "bitsandbytes" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
     out = tmp_path / "rep"
     env = {"PYTHONPATH": f"{fake}:{ROOT}", "PATH": "/usr/bin:/bin"}
-    cmd = [sys.executable, "-m", "gefen_dist.bench", "compare", "--smoke", "--tasks",
-           "mlp,gru", "--optimizers", "adamw,gefen4,bnb_adamw8bit", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gefen_dist.bench",
+        "compare",
+        "--smoke",
+        "--tasks",
+        "mlp,gru",
+        "--optimizers",
+        "adamw,gefen4,bnb_adamw8bit",
+        "--out",
+        str(out),
+    ]
     import os
 
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, **env})
+    p = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **env}
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     text = (out / "report.md").read_text()
     for label in ("AdamW", "Gefen 4-bit"):
@@ -165,8 +189,9 @@ def test_smoke_compare_end_to_end_lists_a_missing_peer_as_skipped(tmp_path):
 
 
 def test_bench_main_lists_subcommands_and_rejects_unknown():
-    p = subprocess.run([sys.executable, "-m", "gefen_dist.bench", "nope"], cwd=ROOT,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "gefen_dist.bench", "nope"], cwd=ROOT, capture_output=True, text=True
+    )
     assert p.returncode == 2
     for cmd in ("compare", "memory", "capacity"):
         assert cmd in p.stderr

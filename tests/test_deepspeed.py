@@ -30,6 +30,11 @@ WRAPPER = {
 # drift measured over 6 steps is 8e-6 (ZeRO-3), and 0 where nothing is cut. 1e-4 is 12x that,
 # and a mapping bug exceeds it: leaving the held groups' weights stale for one step already does.
 LOSS_TOL = 1e-4
+# Where a partition boundary splits a column-blocked tensor (ZeRO-3 splits the 64x64 attention
+# c_proj, B = -64), every column keeps v and absmax per piece: after one step that tensor's
+# parameters differ by up to 1.9e-3 and the loss drifts 1.4e-4 over 6 steps. 1e-3 is 7x that.
+# A mapping bug still fails STEP1_TOL below, which covers every parameter outside the cut ones.
+SPLIT_COLUMNS_LOSS_TOL = 1e-3
 # After one step, parameters outside cut blocks: only the ulp-level noise of (2) may remain
 # (1 ulp of a LayerNorm weight near 1 is 6e-8); a wrong block or codebook moves them by ~lr.
 STEP1_TOL = 1e-6
@@ -88,18 +93,24 @@ def test_loss_follows_single_process(runs, name):
         got = r[name]["losses"]
         assert got[0] == ref[0]  # same weights, same data: the first forward is bitwise equal
         drift = max(abs(a - b) for a, b in zip(got, ref, strict=True))
-        assert drift <= LOSS_TOL, (name, got, ref)
+        split = {t for t, bs in r[name]["blocks"].items() if bs < 0} & {
+            c[0] for c in r[name]["cut_blocks"]
+        }
+        assert drift <= (SPLIT_COLUMNS_LOSS_TOL if split else LOSS_TOL), (name, got, ref)
         assert r[name]["after1_outside"] <= STEP1_TOL
 
 
 def test_cut_blocks_are_exercised(runs):
     """The ZeRO-1 and ZeRO-3 runs each cut a c_attn block at a partition boundary, so the
-    whole-block statistics for cut blocks are under test."""
+    whole-block statistics for cut blocks are under test; ZeRO-3 also splits the column-blocked
+    attention c_proj (whole-column absmax for the codebook, per-piece state)."""
     ranks, _ = runs
     for name in ("zero1", "zero3"):
         cuts = ranks[0][name]["cut_blocks"]
-        assert cuts and all(c[0].endswith("c_attn.weight") for c in cuts)
+        assert any(c[0].endswith("c_attn.weight") for c in cuts)
         assert 0 < ranks[0][name]["after1_inside"] < 1e-2
+    split = [c for c in ranks[0]["zero3"]["cut_blocks"] if c[0].endswith("attn.c_proj.weight")]
+    assert split and ranks[0]["zero3"]["blocks"]["transformer.h.0.attn.c_proj.weight"] == -64
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -49,9 +49,12 @@ def test_no_sharing_matches_adamw(dtype_wd):
 def naive_gefen(p, grads, lr, betas, eps, wd, block, levels, start=0):
     """Per-block AdamW with shared v and an m stored as nearest codebook level * absmax."""
     n = p.numel()
-    ids = (torch.arange(n) + start) // block
-    ids = ids - ids[0]
-    nb = int(ids[-1]) + 1
+    if block < 0:  # columns: elements the same distance apart as a row's length share a block
+        ids, nb = (torch.arange(n) + start) % -block, -block
+    else:
+        ids = (torch.arange(n) + start) // block
+        ids = ids - ids[0]
+        nb = int(ids[-1]) + 1
     m_q = torch.zeros(n)
     v = torch.zeros(nb)
     p = p.clone()
@@ -70,11 +73,24 @@ def naive_gefen(p, grads, lr, betas, eps, wd, block, levels, start=0):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("start,numel,block", [(0, 96 * 64, 96), (37, 4001, 96), (5, 3 * 17, 17)])
+@pytest.mark.parametrize(
+    "start,numel,block",
+    [
+        (0, 96 * 64, 96),
+        (37, 4001, 96),
+        (5, 3 * 17, 17),
+        (0, 96 * 64, -96),
+        (37, 4001, -96),
+        (5, 3 * 17 + 4, -17),
+        (40, 60, -96),
+    ],
+)
 def test_block_update_matches_naive_spec(bits, start, numel, block, monkeypatch):
-    """A segment cut at both ends of its blocks, chunked finely, equals the naive update."""
+    """A segment cut at both ends of its blocks (or a piece of its columns), chunked finely,
+    equals the naive update."""
     monkeypatch.setattr(reference, "CHUNK", 200)
-    shape = (start + numel + 50,)
+    width = abs(block)
+    shape = ((start + numel) // width + 2, width) if block < 0 else (start + numel + 50,)
     g0 = torch.randn(numel, generator=_gen(1))
     p0 = torch.randn(numel, generator=_gen(2))
     p = p0.clone().requires_grad_()
@@ -354,3 +370,59 @@ def test_unfrozen_param_is_initialised_when_it_first_gets_a_gradient():
     _loss(model).backward()
     opt.step()
     assert int(opt.state[model[0].weight]["step"]) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Column blocks end to end: a layer whose inputs differ in scale per feature
+
+
+def _scaled_inputs(step):
+    g = _gen(100 + step)
+    feature_scale = torch.exp(torch.randn(192, generator=_gen(99)))
+    return torch.randn(32, 192, generator=g) * feature_scale, torch.randn(32, 64, generator=g)
+
+
+def _column_run(steps, opt_state=None, model_state=None, bits=4):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(192, 64, bias=False)
+    if model_state is not None:
+        layer.load_state_dict(model_state)
+    opt = Gefen(layer.parameters(), lr=1e-2, bits=bits)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    first = 0 if opt_state is None else int(opt_state["state"][0]["step"])
+    for t in range(first, first + steps):
+        x, y = _scaled_inputs(t)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(layer(x), y).backward()
+        opt.step()
+    return layer, opt
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_columns_are_chosen_reported_and_resume_exactly(bits):
+    from gefen_dist import format_memory_report
+
+    layer, opt = _column_run(3, bits=bits)
+    rep = opt.memory_report()
+    assert rep["tensors"][0]["block_sizes"] == [-192]
+    assert rep["fallback_numel"] == 0
+    code = 0.5 if bits == 4 else 1.0
+    assert rep["bytes_per_param"] == pytest.approx(code + 8 / 64)
+    assert "col192" in format_memory_report(rep)
+
+    sd = {k: v for k, v in opt.state_dict().items()}
+    resumed, _ = _column_run(3, opt_state=sd, model_state=layer.state_dict(), bits=bits)
+    straight, _ = _column_run(6, bits=bits)
+    assert torch.equal(resumed.weight, straight.weight)
+
+
+def test_a_column_state_for_another_row_length_is_refused():
+    _, opt = _column_run(1)
+    sd = opt.state_dict()
+    layout = sd["state"][0]["layout"].clone()
+    layout[0, 3] = -191
+    sd["state"][0] = dict(sd["state"][0], layout=layout)
+    fresh = Gefen(torch.nn.Linear(192, 64, bias=False).parameters())
+    with pytest.raises(ValueError, match=r"block size -191 .*\(64, 192\).*-192"):
+        fresh.load_state_dict(sd)

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -106,3 +108,52 @@ def test_chunked_statistics_equal_one_pass(monkeypatch):
     chunked = pt.segment_stats(x[5:], 5, cands)
     assert chunked.block_sq == pytest.approx(one.block_sq, rel=1e-12)
     assert chunked.partial == [pytest.approx(d, rel=1e-12) for d in one.partial]
+
+
+# ---------------------------------------------------------------------------------------------
+# Columns: the strided reading of the period (module docstring, step 5)
+
+
+def _cols(n_rows, row, seed=0, row_spread=0.0):
+    """Gradients whose columns have distinct scales (an input axis of varying scale), optionally
+    with a weaker spread of row scales on top."""
+    g = _gen(seed)
+    cols = torch.exp(torch.randn(1, row, generator=g))
+    rows = torch.exp(row_spread * torch.randn(n_rows, 1, generator=g))
+    return rows * cols * torch.randn(n_rows, row, generator=g)
+
+
+@pytest.mark.parametrize("shape", [(256, 192), (192, 512), (48, 16, 3, 3), (101, 63)])
+def test_columns_of_distinct_scale_give_columns(shape):
+    x = _cols(shape[0], math.prod(shape[1:]), seed=3).view(shape)
+    assert pt.block_size_for(x) == -math.prod(shape[1:])
+
+
+def test_columns_win_only_where_they_are_the_more_alike():
+    weak_cols = _rows(256, 192, seed=4) * _cols(1, 192, seed=5).abs().pow(0.2)
+    assert pt.block_size_for(weak_cols) == 192
+    assert pt.block_size_for(_cols(256, 192, seed=6, row_spread=0.3)) == -192
+
+
+def test_columns_need_a_shape_and_enough_rows():
+    x = _cols(256, 192, seed=7)
+    assert pt.block_size_for(x.reshape(-1)) > 0  # a flat buffer hides its columns
+    assert pt.column_period((4, 4096)) == 0  # columns of 4 elements: below MIN_BLOCK
+    assert pt.column_period((256,)) == 0
+    assert pt.column_period((16, 16)) == 0  # under MIN_SHARED_NUMEL
+    assert pt.column_period((256, 192)) == 192
+
+
+def test_column_statistics_of_pieces_merge_to_the_whole():
+    x = _cols(101, 63, seed=8).reshape(-1)
+    cands = pt.candidate_block_sizes((101, 63))
+    cuts = [0, 5, 63, 64, 2000, 4010, x.numel()]
+    whole = pt.segment_stats(x, 0, cands, 63)
+    parts = [pt.segment_stats(x[a:b], a, cands, 63) for a, b in zip(cuts, cuts[1:], strict=False)]
+    merged = pt.merge_stats(parts)
+    torch.testing.assert_close(merged.col_sums, whole.col_sums, rtol=1e-12, atol=0)
+    want = (x.double().square().view(101, 63)).sum(dim=0)
+    torch.testing.assert_close(whole.col_sums, want, rtol=1e-12, atol=0)
+    assert pt.choose_block_size(merged, x.numel()) == pt.choose_block_size(whole, x.numel()) == -63
+    with pytest.raises(ValueError, match="period"):
+        pt.merge_stats([whole, pt.segment_stats(x, 0, cands, 0)])

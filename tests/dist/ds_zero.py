@@ -126,6 +126,10 @@ def cut_blocks(eng):
             bs = sizes.get(label, 1)
             if not seg.name or bs == 1:
                 continue
+            if bs < 0:  # columns: a piece of the tensor cuts every column it holds
+                if seg.numel < seg.tensor_numel:
+                    local.append((label, 0, seg.tensor_numel))
+                continue
             for edge in (seg.start, seg.start + seg.numel):
                 if edge % bs and 0 < edge < seg.tensor_numel:
                     lo = edge // bs * bs

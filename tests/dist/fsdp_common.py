@@ -87,10 +87,13 @@ def full_params(model: torch.nn.Module, setup: str) -> dict[str, torch.Tensor]:
 def cut_blocks(opt: Gefen) -> int:
     """Blocks that a shard boundary cuts on this rank: each piece keeps its own v and absmax."""
     n = 0
-    for st in opt.state.values():
-        for _, numel, start, bs in st["layout"].tolist():
+    for p, st in opt.state.items():
+        whole = {s.offset: s.tensor_numel for s in opt._segments_for(p)}
+        for offset, numel, start, bs in st["layout"].tolist():
             if bs > 1 and numel:
                 n += int(start % bs != 0) + int((start + numel) % bs != 0)
+            elif bs < 0 and 0 < numel < whole[offset]:  # a piece of a column is its own block
+                n += min(numel, -bs)
     return n
 
 
