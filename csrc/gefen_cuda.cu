@@ -292,6 +292,136 @@ __global__ void __launch_bounds__(kThreads) histogram_kernel(const void* __restr
     if (s_hist[k]) atomicAdd(&counts[k], static_cast<unsigned long long>(s_hist[k]));
 }
 
+// Column segments (block size -P): the segment's element e belongs to block k = e mod P. A
+// column's v and new absmax need all of its rows before any element can be written, so a step is
+// three launches: partial sums and maxima over chunks of rows (a thread per column and chunk,
+// consecutive threads on consecutive columns, so reads coalesce), their fixed-order reduction
+// per column (deterministic, unlike atomics), then an elementwise pass (8-bit: a thread per
+// element; 4-bit: a thread per byte, both nibbles) that recomputes m, moves the parameter and
+// writes the codes; the new absmax is copied over the old one last.
+struct ColumnRow {
+  void* p;
+  const void* g;
+  uint8_t* codes;
+  float* absmax;
+  float* v;
+  const float* levels;
+  const float* mids;
+  int64_t numel, period;
+  int n_levels, pt, gt;
+  bool four;
+};
+
+__device__ __forceinline__ ColumnRow column_row(const int64_t* m) {
+  ColumnRow r;
+  r.p = reinterpret_cast<void*>(m[kP]);
+  r.g = reinterpret_cast<const void*>(m[kG]);
+  r.codes = reinterpret_cast<uint8_t*>(m[kCodes]);
+  r.absmax = reinterpret_cast<float*>(m[kAbsmax]);
+  r.v = reinterpret_cast<float*>(m[kV]);
+  r.levels = reinterpret_cast<const float*>(m[kLevels]);
+  r.mids = reinterpret_cast<const float*>(m[kMids]);
+  r.numel = m[kNumel];
+  r.period = -m[kBlock];
+  r.n_levels = static_cast<int>(m[kNLevels]);
+  r.pt = static_cast<int>(m[kPDtype]);
+  r.gt = static_cast<int>(m[kGDtype]);
+  r.four = m[kBits] == 4;
+  return r;
+}
+
+__global__ void __launch_bounds__(kThreads) columns_reduce_kernel(
+    const int64_t* __restrict__ meta, const float* __restrict__ hyp, int64_t rows_per_chunk,
+    double* __restrict__ part_sum, float* __restrict__ part_max) {
+  __shared__ float s_levels[kMaxLevels];
+  const ColumnRow r = column_row(meta);
+  for (int k = threadIdx.x; k < r.n_levels; k += kThreads) s_levels[k] = r.levels[k];
+  __syncthreads();
+  const int64_t nb = min(r.numel, r.period);
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (k >= nb) return;
+  const float old = r.absmax[k], w = hyp[kW];
+  double acc = 0.0;
+  float amax = 0.0f;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
+  for (int64_t row = r0; row < r0 + rows_per_chunk; ++row) {
+    const int64_t e = row * r.period + k;
+    if (e >= r.numel) break;
+    const float gi = load(r.g, e, r.gt);
+    const double x = gi;
+    acc += x * x;
+    const float mi = lerp(__fmul_rn(s_levels[get_code(r.codes, e, r.four)], old), gi, w);
+    amax = fmaxf(amax, fabsf(mi));
+  }
+  part_sum[blockIdx.y * nb + k] = acc;
+  part_max[blockIdx.y * nb + k] = amax;
+}
+
+__global__ void __launch_bounds__(kThreads) columns_finish_kernel(
+    const int64_t* __restrict__ meta, const float* __restrict__ hyp, int chunks,
+    const double* __restrict__ part_sum, const float* __restrict__ part_max,
+    float* __restrict__ denom, float* __restrict__ amax_new) {
+  const ColumnRow r = column_row(meta);
+  const int64_t nb = min(r.numel, r.period);
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (k >= nb) return;
+  double total = 0.0;
+  float amax = 0.0f;
+  for (int c = 0; c < chunks; ++c) {
+    total += part_sum[c * nb + k];
+    amax = fmaxf(amax, part_max[c * nb + k]);
+  }
+  const int64_t count = r.numel / r.period + (k < r.numel % r.period ? 1 : 0);
+  const float mean = static_cast<float>(total / static_cast<double>(count));
+  const float vk = __fadd_rn(__fmul_rn(r.v[k], hyp[kBeta2]), __fmul_rn(hyp[kA2], mean));
+  r.v[k] = vk;
+  denom[k] = __fadd_rn(__fdiv_rn(sqrtf(vk), hyp[kBc2]), hyp[kEps]);
+  amax_new[k] = amax;
+}
+
+__device__ __forceinline__ int column_element(const ColumnRow& r, const float* hyp,
+                                              const float* levels, const float* mids,
+                                              const float* denom, const float* amax_new,
+                                              int64_t e, int code) {
+  const int64_t k = e % r.period;
+  const float mi = lerp(__fmul_rn(levels[code], r.absmax[k]), load(r.g, e, r.gt), hyp[kW]);
+  const float pi = __fmul_rn(load(r.p, e, r.pt), hyp[kDecay]);
+  store(r.p, e, __fadd_rn(pi, __fmul_rn(hyp[kNegStep], __fdiv_rn(mi, denom[k]))), r.pt);
+  const float scale = amax_new[k] > 0.0f ? amax_new[k] : 1.0f;
+  return nearest(__fdiv_rn(mi, scale), mids, r.n_levels - 1);
+}
+
+__global__ void __launch_bounds__(kThreads) columns_apply_kernel(
+    const int64_t* __restrict__ meta, const float* __restrict__ hyp,
+    const float* __restrict__ denom, const float* __restrict__ amax_new) {
+  __shared__ float s_levels[kMaxLevels];
+  __shared__ float s_mids[kMaxLevels];
+  const ColumnRow r = column_row(meta);
+  for (int k = threadIdx.x; k < r.n_levels; k += kThreads) {
+    s_levels[k] = r.levels[k];
+    if (k < r.n_levels - 1) s_mids[k] = r.mids[k];
+  }
+  __syncthreads();
+  const int64_t u = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (!r.four) {
+    if (u < r.numel)
+      r.codes[u] = static_cast<uint8_t>(
+          column_element(r, hyp, s_levels, s_mids, denom, amax_new, u, r.codes[u]));
+    return;
+  }
+  if (u >= (r.numel + 1) / 2) return;
+  const int byte = r.codes[u];
+  int out = byte;
+  for (int half = 0; half < 2; ++half) {
+    const int64_t e = 2 * u + half;
+    if (e >= r.numel) continue;  // the pad nibble of an odd-length segment stays as it is
+    const int c = half ? (byte >> 4) : (byte & 15);
+    const int k = column_element(r, hyp, s_levels, s_mids, denom, amax_new, e, c);
+    out = half ? ((out & 15) | (k << 4)) : ((out & 240) | k);
+  }
+  r.codes[u] = static_cast<uint8_t>(out);
+}
+
 int64_t blocks_of(int64_t start, int64_t numel, int64_t block) {
   return numel ? (start + numel - 1) / block - start / block + 1 : 0;
 }
@@ -331,6 +461,27 @@ cudaError_t launch_histogram(const void* g, int g_dtype, int64_t start, int64_t 
   histogram_kernel<<<static_cast<unsigned int>(nb), kThreads, shmem, stream>>>(
       g, g_dtype, start, numel, block, head_amax, tail_amax, counts, bins);
   return cudaGetLastError();
+}
+
+cudaError_t launch_columns(const int64_t* meta, const float* hyp, int64_t numel, int64_t period,
+                           int64_t rows_per_chunk, int chunks, double* part_sum, float* part_max,
+                           float* denom, float* amax_new, float* absmax, bool four,
+                           cudaStream_t stream) {
+  const int64_t nb = numel < period ? numel : period;
+  if (nb == 0) return cudaSuccess;
+  if (chunks < 1 || chunks > 65535) return cudaErrorInvalidValue;
+  const unsigned int col_grid = static_cast<unsigned int>((nb + kThreads - 1) / kThreads);
+  columns_reduce_kernel<<<dim3(col_grid, static_cast<unsigned int>(chunks)), kThreads, 0,
+                          stream>>>(meta, hyp, rows_per_chunk, part_sum, part_max);
+  columns_finish_kernel<<<col_grid, kThreads, 0, stream>>>(meta, hyp, chunks, part_sum, part_max,
+                                                           denom, amax_new);
+  const int64_t units = four ? (numel + 1) / 2 : numel;
+  columns_apply_kernel<<<static_cast<unsigned int>((units + kThreads - 1) / kThreads), kThreads,
+                         0, stream>>>(meta, hyp, denom, amax_new);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return cudaMemcpyAsync(absmax, amax_new, static_cast<size_t>(nb) * sizeof(float),
+                         cudaMemcpyDeviceToDevice, stream);
 }
 
 }  // namespace gefen

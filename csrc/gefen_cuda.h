@@ -63,4 +63,14 @@ cudaError_t launch_histogram(const void* g, int g_dtype, int64_t start, int64_t 
                              int64_t block, float head_amax, float tail_amax,
                              unsigned long long* counts, int bins, cudaStream_t stream);
 
+// One column segment (block size -P in the table row ``meta``/``hyp``, a single row on the
+// device): v and absmax per column, three launches. Scratch from the caller: ``part_sum``
+// (double) and ``part_max`` (chunks x min(numel, P)), ``denom`` and ``amax_new`` (min(numel, P));
+// chunk c covers rows [c * rows_per_chunk, (c + 1) * rows_per_chunk) of the (rows, P) view.
+// ``absmax`` is the segment's absmax (also in ``meta``), overwritten last, on ``stream``.
+cudaError_t launch_columns(const int64_t* meta, const float* hyp, int64_t numel, int64_t period,
+                           int64_t rows_per_chunk, int chunks, double* part_sum, float* part_max,
+                           float* denom, float* amax_new, float* absmax, bool four,
+                           cudaStream_t stream);
+
 }  // namespace gefen

@@ -72,11 +72,41 @@ void histogram(const at::Tensor& g, int64_t start, int64_t block, double head_am
   TORCH_CHECK(err == cudaSuccess, "gefen_cuda histogram launch: ", cudaGetErrorString(err));
 }
 
+void columns(const at::Tensor& meta, const at::Tensor& hyp, int64_t numel, int64_t period,
+             int64_t rows_per_chunk, at::Tensor& part_sum, at::Tensor& part_max,
+             at::Tensor& denom, at::Tensor& amax_new, at::Tensor& absmax, int64_t bits,
+             int64_t stream) {
+  TORCH_CHECK(meta.is_cuda() && hyp.is_cuda() && meta.size(0) == 1 && hyp.size(0) == 1 &&
+                  meta.scalar_type() == at::kLong && hyp.scalar_type() == at::kFloat &&
+                  meta.size(1) == gefen::kMetaCols && hyp.size(1) == gefen::kHypCols &&
+                  meta.is_contiguous() && hyp.is_contiguous(),
+              "gefen_cuda columns: meta and hyp must be one contiguous table row on the GPU");
+  TORCH_CHECK(period >= 1 && numel >= 0 && rows_per_chunk >= 1,
+              "gefen_cuda columns: period and rows_per_chunk must be >= 1");
+  const int64_t nb = numel < period ? numel : period;
+  const int64_t chunks = part_sum.numel() / (nb ? nb : 1);
+  TORCH_CHECK(part_sum.scalar_type() == at::kDouble && part_max.scalar_type() == at::kFloat &&
+                  part_max.numel() == part_sum.numel() && chunks * nb == part_sum.numel() &&
+                  denom.numel() == nb && amax_new.numel() == nb && absmax.numel() == nb &&
+                  denom.scalar_type() == at::kFloat && amax_new.scalar_type() == at::kFloat &&
+                  absmax.scalar_type() == at::kFloat,
+              "gefen_cuda columns: scratch must be double/float (chunks x columns) and float "
+              "(columns,)");
+  TORCH_CHECK(bits == 4 || bits == 8, "gefen_cuda columns: bits must be 4 or 8");
+  const cudaError_t err = gefen::launch_columns(
+      meta.data_ptr<int64_t>(), hyp.data_ptr<float>(), numel, period, rows_per_chunk,
+      static_cast<int>(chunks), part_sum.data_ptr<double>(), part_max.data_ptr<float>(),
+      denom.data_ptr<float>(), amax_new.data_ptr<float>(), absmax.data_ptr<float>(), bits == 4,
+      reinterpret_cast<cudaStream_t>(stream));
+  TORCH_CHECK(err == cudaSuccess, "gefen_cuda columns launch: ", cudaGetErrorString(err));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocks", &blocks, "Blocked segments of one step (segment table)");
   m.def("dense", &dense, "B = 1 segments of one step (segment table)");
+  m.def("columns", &columns, "One column segment (block size -P) of one step");
   m.def("histogram", &histogram, "Add one segment's block-normalised g0 to int64 counts");
   m.attr("META_COLS") = static_cast<int>(gefen::kMetaCols);
   m.attr("HYP_COLS") = static_cast<int>(gefen::kHypCols);

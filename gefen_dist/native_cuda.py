@@ -109,20 +109,23 @@ def _verified(device: torch.device) -> bool:
 def _self_check(device: torch.device) -> None:
     from . import codebook as cb
     from .codes import midpoints
-    from .reference import block_update, dense_update
+    from .reference import block_update, column_update, dense_update
+    from .segments import num_blocks
 
     gen = torch.Generator().manual_seed(0)
     for bits, dtype, start, numel, block in [
         (4, torch.float32, 37, 4001, 97),
         (8, torch.bfloat16, 0, 3000, 1000),
         (4, torch.float32, 0, 777, 1),
+        (4, torch.float32, 37, 4001, -97),
+        (8, torch.float16, 5, 9000, -300),
     ]:
         levels = cb.learn_codebook(cb.histogram(torch.rand(4096, generator=gen) * 2 - 1), bits)
         levels, mids = levels.to(device), midpoints(levels).to(device)
         p0 = torch.randn(numel, generator=gen).to(device, dtype)
         sts, ps = [], []
         for _ in range(2):
-            nb = (start + numel - 1) // block - start // block + 1
+            nb = num_blocks(start, numel, block)
             st = SegmentState(start, numel, block)
             if block == 1:
                 st.exp_avg = torch.zeros(numel, device=device)
@@ -140,15 +143,20 @@ def _self_check(device: torch.device) -> None:
             h = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=t)
             if block == 1:
                 dense_update(ps[0], g, sts[0], h)
+            elif block < 0:
+                column_update(ps[0], g, sts[0], h, levels, mids, bits)
             else:
                 block_update(ps[0], g, sts[0], h, levels, mids, bits)
-            step([(ps[1], g, sts[1], h, levels, mids, bits)])
+            if block < 0:
+                column_step(ps[1], g, sts[1], h, levels, mids, bits)
+            else:
+                step([(ps[1], g, sts[1], h, levels, mids, bits)])
         torch.cuda.synchronize(device)
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
         err = ((ps[1].float() - ps[0].float()).abs() / ps[0].float().abs().clamp_min(1e-3)).max()
         if not err <= tol:
             raise RuntimeError(f"parameters differ by {err.item():.3g} (bits={bits}, B={block})")
-        pairs = [("v", 1e-5), ("absmax", 1e-5)] if block > 1 else [("exp_avg_sq", 1e-5)]
+        pairs = [("v", 1e-5), ("absmax", 1e-5)] if block != 1 else [("exp_avg_sq", 1e-5)]
         for k, rtol in pairs:
             a, b = getattr(sts[1], k), getattr(sts[0], k)
             if not ((a - b).abs() <= rtol * b.abs() + 1e-30).all():
@@ -211,6 +219,44 @@ def step(work: list[tuple]) -> None:
                 ext.dense(meta, hyp, pre, total, stream)
             else:
                 ext.blocks(meta, hyp, pre, total, 256 if key == "wide" else 32, stream)
+
+
+COLUMN_ROWS = 32
+"""Rows per thread in a column segment's reduction pass (at most 128 chunks of rows): enough
+threads to fill the device on a tall tensor, a few KB to 20 MB of scratch per segment."""
+
+
+def column_step(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    st: SegmentState,
+    h: Hyper,
+    levels: torch.Tensor,
+    mids: torch.Tensor,
+    bits: int,
+) -> None:
+    """One column segment (``st.block_size`` = -P), as ``reference.column_update``."""
+    ext = load()
+    if st.numel == 0:
+        return
+    period = -st.block_size
+    nb = min(st.numel, period)
+    rows = -(-st.numel // period)
+    chunks = min(128, -(-rows // COLUMN_ROWS))
+    per_chunk = -(-rows // chunks)
+    chunks = -(-rows // per_chunk)
+    device = p.device
+    with torch.cuda.device(device):
+        meta, hyp, _, _ = _table(
+            [table.row(p, g, st, levels, mids, bits)], [table.hyper_row(h)], [0], device
+        )
+        part_sum = torch.empty(chunks * nb, dtype=torch.float64, device=device)
+        part_max = torch.empty(chunks * nb, dtype=torch.float32, device=device)
+        denom = torch.empty(nb, dtype=torch.float32, device=device)
+        amax_new = torch.empty(nb, dtype=torch.float32, device=device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        ext.columns(meta, hyp, st.numel, period, per_chunk, part_sum, part_max, denom, amax_new,
+                    st.absmax, bits, stream)
 
 
 def histogram(

@@ -302,9 +302,11 @@ class Gefen(Optimizer):
 
     @staticmethod
     def _column_step(impl: str, p, g, seg, h, levels, mids, bits) -> None:
-        """Column segments: numba on CPU where it serves, else the reference (on a GPU, torch's
-        own kernels; the CUDA kernels cover contiguous blocks only)."""
-        if impl in ("cpu", "numba") and cpu_kernel is not None and cpu_kernel.supports(p, g):
+        """Column segments: their own CUDA launches; numba on CPU where it serves (fp32);
+        else the reference."""
+        if impl == "cuda":
+            native_cuda.column_step(p, g, seg, h, levels, mids, bits)
+        elif impl in ("cpu", "numba") and cpu_kernel is not None and cpu_kernel.supports(p, g):
             cpu_kernel.column_update(p, g, seg, h, levels, mids, bits)
         else:
             column_update(p, g, seg, h, levels, mids, bits)

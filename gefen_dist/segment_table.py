@@ -28,7 +28,7 @@ def row(
     mids: torch.Tensor,
     bits: int,
 ) -> list[int]:
-    blocked = st.block_size > 1
+    blocked = st.block_size != 1
     return [
         p.data_ptr(),
         g.data_ptr(),

@@ -8,7 +8,8 @@ On a GPU (the lent H200: run as is, well inside 10 minutes; needs numba and ninj
 2. Checks the kernels against the reference update, step by step from identical state: awkward
    layouts (prime sizes, B = 1, odd block sizes and odd starts at 4 bits, a block of 50k
    elements spanning many tiles, several tensors' pieces in one flat buffer as FSDP/ZeRO hand
-   them, cut blocks), 8 and 4 bits, fp32/bf16/fp16 parameters; and the device g0 histogram
+   them, cut blocks, column blocks whole and in pieces), 8 and 4 bits, fp32/bf16/fp16
+   parameters; and the device g0 histogram
    against ``codebook.histogram`` (must be equal).
 3. Times one step on a ~1B-parameter set (fp32, then bf16 parameters and gradients) for fused
    AdamW, Gefen 4/8-bit and, where importable, bitsandbytes AdamW8bit and torchao AdamW8bit/4bit;
@@ -38,13 +39,16 @@ from gefen_dist import Gefen, Segment, state  # noqa: E402
 from gefen_dist import codebook as cb  # noqa: E402
 from gefen_dist.codes import unpack4  # noqa: E402
 
-# (name, [(numel, start, shape, block)] of one flat buffer): block 1 = exact AdamW state
+# (name, [(numel, start, shape, block)] of one flat buffer): block 1 = exact AdamW state,
+# block -P = column blocks of a row of P
 LAYOUTS = [
     ("prime", [(7919, 0, (7919,), 1)]),
     ("rows", [(257 * 1031, 0, (257, 1031), 1031)]),
     ("odd_start_odd_block", [(4001, 37, (90, 97), 97)]),
     ("long_block", [(4 * 50257, 0, (4, 50257), 50257)]),
     ("short_blocks", [(96 * 300, 0, (300, 96), 8)]),
+    ("columns", [(192 * 512, 0, (192, 512), -512)]),
+    ("column_pieces", [(4001, 37, (90, 97), -97), (50, 5, (60, 97), -97), (300, 0, (300,), 1)]),
     (
         "flat_shard",
         [
