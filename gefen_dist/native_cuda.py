@@ -255,8 +255,20 @@ def column_step(
         denom = torch.empty(nb, dtype=torch.float32, device=device)
         amax_new = torch.empty(nb, dtype=torch.float32, device=device)
         stream = torch.cuda.current_stream(device).cuda_stream
-        ext.columns(meta, hyp, st.numel, period, per_chunk, part_sum, part_max, denom, amax_new,
-                    st.absmax, bits, stream)
+        ext.columns(
+            meta,
+            hyp,
+            st.numel,
+            period,
+            per_chunk,
+            part_sum,
+            part_max,
+            denom,
+            amax_new,
+            st.absmax,
+            bits,
+            stream,
+        )
 
 
 def histogram(
