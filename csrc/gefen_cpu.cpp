@@ -103,6 +103,73 @@ inline int nearest_exact(float x, const float* mp, int n_mids, int k) {
   return k;
 }
 
+// The levels of elements [lo, hi) into buf[0, hi - lo); at 4 bits a byte's two levels come in
+// one 8-byte load from ``pair4``: cheaper than two table lookups or a gather.
+inline void decode(const uint8_t* codes, int64_t lo, int64_t hi, bool four, const float* levels,
+                   const float* pair4, float* buf) {
+  if (!four) {
+    const uint8_t* c = codes + lo;
+#pragma omp simd
+    for (int64_t i = 0; i < hi - lo; ++i) buf[i] = levels[c[i]];
+    return;
+  }
+  int64_t i = lo;
+  if (i & 1) buf[0] = levels[get_code(codes, i++, true)];
+  const uint8_t* c = codes + (i >> 1);
+  const int64_t pairs = (hi - i) / 2;
+  float* out = buf + (i - lo);
+  for (int64_t q = 0; q < pairs; ++q) std::memcpy(out + 2 * q, pair4 + 2 * c[q], 8);
+  i += 2 * pairs;
+  if (i < hi) buf[i - lo] = levels[get_code(codes, i, true)];
+}
+
+// Codes idx[0, hi - lo) of elements [lo, hi); a nibble whose byte-mate lies outside is merged.
+inline void encode(uint8_t* codes, int64_t lo, int64_t hi, bool four, const int32_t* idx) {
+  if (!four) {
+    uint8_t* c = codes + lo;
+    for (int64_t i = 0; i < hi - lo; ++i) c[i] = static_cast<uint8_t>(idx[i]);
+    return;
+  }
+  int64_t i = lo;
+  if (i & 1) put_code(codes, i++, idx[0], true);
+  for (; i + 1 < hi; i += 2)
+    codes[i >> 1] = static_cast<uint8_t>(idx[i - lo] | (idx[i + 1 - lo] << 4));
+  if (i < hi) put_code(codes, i, idx[i - lo], true);
+}
+
+// Nearest levels of x[i] = buf[i] / scale[i] (kPer) or buf[i] / scale_one.
+template <bool kPer>
+inline void nearest_range(const float* buf, const float* scale, float scale_one, int64_t n,
+                          bool four, const float* mp, int n_mids, const int32_t* lut,
+                          int32_t* idx) {
+  if (four) {
+    // 15 midpoints: counting those below x is exact and vectorises, no table needed
+    float m15[15];
+    for (int t = 0; t < 15; ++t) m15[t] = mp[t + 1];
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = buf[i] / (kPer ? scale[i] : scale_one);
+      int k = 0;
+#pragma GCC unroll 15
+      for (int t = 0; t < 15; ++t) k += m15[t] < x;
+      idx[i] = k;
+    }
+    return;
+  }
+  int bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = buf[i] / (kPer ? scale[i] : scale_one);
+    const int k = nearest_fast(x, mp, lut);
+    idx[i] = k;
+    bad |= !(mp[k] < x && mp[k + 1] >= x);
+  }
+  if (bad) {
+    for (int64_t i = 0; i < n; ++i)
+      idx[i] = nearest_exact(buf[i] / (kPer ? scale[i] : scale_one), mp, n_mids, idx[i]);
+  }
+}
+
 template <int PT, int GT>
 void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax, float* v,
                const float* levels, const float* mp, int n_mids, const int32_t* lut,
@@ -123,21 +190,7 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
   v[j] = vj;
   const float denom = std::sqrt(vj) / h.bc2 + h.eps;
   const float old = absmax[j];
-  if (four) {
-    // a byte's two levels in one 8-byte load: cheaper than two table lookups or a gather
-    int64_t i = lo;
-    if (i & 1) buf[0] = levels[get_code(codes, i++, true)];
-    const uint8_t* c = codes + (i >> 1);
-    const int64_t pairs = (hi - i) / 2;
-    float* out = buf + (i - lo);
-    for (int64_t q = 0; q < pairs; ++q) std::memcpy(out + 2 * q, pair4 + 2 * c[q], 8);
-    i += 2 * pairs;
-    if (i < hi) buf[i - lo] = levels[get_code(codes, i, true)];
-  } else {
-    const uint8_t* c = codes + lo;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) buf[i] = levels[c[i]];
-  }
+  decode(codes, lo, hi, four, levels, pair4, buf);
   float amax = 0.0f;
 #pragma omp simd reduction(max : amax)
   for (int64_t i = 0; i < n; ++i) {
@@ -150,41 +203,89 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
   }
   absmax[j] = amax;
   const float scale = amax > 0.0f ? amax : 1.0f;
-  if (four) {
-    // 15 midpoints: counting those below x is exact and vectorises, no table needed
-    float m15[15];
-    for (int t = 0; t < 15; ++t) m15[t] = mp[t + 1];
+  nearest_range<false>(buf, nullptr, scale, n, four, mp, n_mids, lut, idx);
+  encode(codes, lo, hi, four, idx);
+}
+
+// Column segments (block size -P): block k holds the segment's elements i = k mod P, so the
+// blocks run across the rows of the (rows, P) view. Both passes go along rows (contiguous, with
+// per-column arrays that vectorise) over fixed chunks of rows: pass 1 sums g^2 (double) and
+// finds the new |m| maxima per chunk, their fixed-order reduction gives v, the denominators and
+// the new absmax, pass 2 recomputes m, moves the parameter and writes the codes. Chunks depend
+// on the shape, not the thread count, so results are the same on any number of threads; at 4
+// bits with odd P a chunk holds an even number of rows, so no byte straddles two chunks.
+template <int PT, int GT>
+void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
+             const float* levels, const float* mp, int n_mids, const int32_t* lut,
+             int64_t numel, int64_t period, bool four, const Hyper& h, const float* pair4,
+             int threads) {
+  const int64_t nb = std::min(numel, period);
+  const int64_t rows = (numel + period - 1) / period;
+  int64_t per = std::max<int64_t>(1, (rows + 63) / 64);
+  if (four && (period & 1) && (per & 1)) ++per;
+  const int64_t chunks = (rows + per - 1) / per;
+  std::vector<double> sums(chunks * nb, 0.0);
+  std::vector<float> maxes(chunks * nb, 0.0f);
+#pragma omp parallel num_threads(std::max(threads, 1)) if (threads > 1 && chunks > 1)
+  {
+    std::vector<float> buf(nb);
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      double* s = sums.data() + c * nb;
+      float* mx = maxes.data() + c * nb;
+      for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
+        const int64_t lo = r * period, hi = std::min(lo + period, numel);
+        decode(codes, lo, hi, four, levels, pair4, buf.data());
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = buf[i] / scale;
-      int k = 0;
-#pragma GCC unroll 15
-      for (int t = 0; t < 15; ++t) k += m15[t] < x;
-      idx[i] = k;
-    }
-  } else {
-    int bad = 0;
-#pragma omp simd reduction(| : bad)
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = buf[i] / scale;
-      const int k = nearest_fast(x, mp, lut);
-      idx[i] = k;
-      bad |= !(mp[k] < x && mp[k + 1] >= x);
-    }
-    if (bad) {
-      for (int64_t i = 0; i < n; ++i) idx[i] = nearest_exact(buf[i] / scale, mp, n_mids, idx[i]);
+        for (int64_t k = 0; k < hi - lo; ++k) {
+          const float gi = load(g, lo + k, GT);
+          const double x = gi;
+          s[k] += x * x;
+          const float m = lerp(buf[k] * absmax[k], gi, h.w);
+          mx[k] = std::max(mx[k], std::fabs(m));
+        }
+      }
     }
   }
-  if (!four) {
-    uint8_t* c = codes + lo;
-    for (int64_t i = 0; i < n; ++i) c[i] = static_cast<uint8_t>(idx[i]);
-    return;
+  std::vector<float> denom(nb), amax(nb), scale(nb);
+  for (int64_t k = 0; k < nb; ++k) {
+    double total = 0.0;
+    float mx = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      total += sums[c * nb + k];
+      mx = std::max(mx, maxes[c * nb + k]);
+    }
+    const int64_t count = numel / period + (k < numel % period ? 1 : 0);
+    const float mean = static_cast<float>(total / static_cast<double>(count));
+    const float vk = v[k] * h.beta2 + h.a2 * mean;
+    v[k] = vk;
+    denom[k] = std::sqrt(vk) / h.bc2 + h.eps;
+    amax[k] = mx;
+    scale[k] = mx > 0.0f ? mx : 1.0f;
   }
-  int64_t i = lo;
-  if (i & 1) put_code(codes, i++, idx[0], true);
-  for (; i + 1 < hi; i += 2)
-    codes[i >> 1] = static_cast<uint8_t>(idx[i - lo] | (idx[i + 1 - lo] << 4));
-  if (i < hi) put_code(codes, i, idx[i - lo], true);
+#pragma omp parallel num_threads(std::max(threads, 1)) if (threads > 1 && chunks > 1)
+  {
+    std::vector<float> buf(nb);
+    std::vector<int32_t> idx(nb);
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
+        const int64_t lo = r * period, hi = std::min(lo + period, numel), w = hi - lo;
+        decode(codes, lo, hi, four, levels, pair4, buf.data());
+#pragma omp simd
+        for (int64_t k = 0; k < w; ++k) {
+          const float m = lerp(buf[k] * absmax[k], load(g, lo + k, GT), h.w);
+          buf[k] = m;
+          const float pi = load(p, lo + k, PT) * h.decay;
+          store(p, lo + k, pi + h.neg_step * (m / denom[k]), PT);
+        }
+        nearest_range<true>(buf.data(), scale.data(), 1.0f, w, four, mp, n_mids, lut,
+                            idx.data());
+        encode(codes, lo, hi, four, idx.data());
+      }
+    }
+  }
+  std::copy(amax.begin(), amax.end(), absmax);
 }
 
 template <int PT, int GT>
@@ -214,28 +315,36 @@ using BlockFn = void (*)(int64_t, void*, const void*, uint8_t*, float*, float*, 
                          const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
                          const Hyper&, const float*, float*, int32_t*);
 using DenseFn = void (*)(void*, const void*, float*, float*, int64_t, int64_t, const Hyper&);
+using ColumnFn = void (*)(void*, const void*, uint8_t*, float*, float*, const float*,
+                          const float*, int, const int32_t*, int64_t, int64_t, bool, const Hyper&,
+                          const float*, int);
 
-template <int PT, int GT>
-struct Fns {
-  static constexpr BlockFn block = &one_block<PT, GT>;
-  static constexpr DenseFn dense = &dense_range<PT, GT>;
+struct Kernels {
+  BlockFn block;
+  DenseFn dense;
+  ColumnFn columns;
 };
 
+template <int PT, int GT>
+constexpr Kernels kernels_of() {
+  return {&one_block<PT, GT>, &dense_range<PT, GT>, &columns<PT, GT>};
+}
+
 template <int PT>
-bool pick_g(int gt, BlockFn& b, DenseFn& d) {
+bool pick_g(int gt, Kernels& k) {
   switch (gt) {
-    case F32: b = Fns<PT, F32>::block; d = Fns<PT, F32>::dense; return true;
-    case BF16: b = Fns<PT, BF16>::block; d = Fns<PT, BF16>::dense; return true;
-    case F16: b = Fns<PT, F16>::block; d = Fns<PT, F16>::dense; return true;
+    case F32: k = kernels_of<PT, F32>(); return true;
+    case BF16: k = kernels_of<PT, BF16>(); return true;
+    case F16: k = kernels_of<PT, F16>(); return true;
     default: return false;
   }
 }
 
-bool pick(int pt, int gt, BlockFn& b, DenseFn& d) {
+bool pick(int pt, int gt, Kernels& k) {
   switch (pt) {
-    case F32: return pick_g<F32>(gt, b, d);
-    case BF16: return pick_g<BF16>(gt, b, d);
-    case F16: return pick_g<F16>(gt, b, d);
+    case F32: return pick_g<F32>(gt, k);
+    case BF16: return pick_g<BF16>(gt, k);
+    case F16: return pick_g<F16>(gt, k);
     default: return false;
   }
 }
@@ -245,9 +354,8 @@ bool pick(int pt, int gt, BlockFn& b, DenseFn& d) {
 struct Prep {
   const int64_t* m;
   Hyper h;
-  BlockFn block_fn;
-  DenseFn dense_fn;
-  bool four, serial;
+  Kernels fn;
+  bool four, serial, columns;
   int n_mids;
   int64_t items;
   std::vector<float> mp, pair4;
@@ -277,12 +385,12 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
     r.m = m;
     std::memcpy(&r.h, hyp + static_cast<int64_t>(s) * kHypCols, sizeof(Hyper));
     const int64_t numel = m[kNumel], block = m[kBlock], bits = m[kBits];
-    if (!pick(static_cast<int>(m[kPDtype]), static_cast<int>(m[kGDtype]), r.block_fn,
-              r.dense_fn) ||
-        block < 1 || numel < 0 || (block > 1 && bits != 4 && bits != 8))
+    if (!pick(static_cast<int>(m[kPDtype]), static_cast<int>(m[kGDtype]), r.fn) ||
+        block == 0 || numel < 0 || (block != 1 && bits != 4 && bits != 8))
       return -(s + 1);
     r.four = bits == 4;
     r.serial = false;
+    r.columns = block < 0;
     r.items = 0;
     if (numel == 0) {
     } else if (block == 1) {
@@ -305,6 +413,10 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
       } else if (!luts[s]) {
         return -(s + 1);
       }
+      if (r.columns) {
+        prefix[s + 1] = prefix[s];  // after the other segments, each with all the threads
+        continue;
+      }
       r.items = (m[kStart] + numel - 1) / block - m[kStart] / block + 1;
       // at 4 bits two blocks share a byte when a boundary falls on an odd element: in order
       r.serial = r.four && ((block & 1) || (m[kStart] & 1));
@@ -321,11 +433,11 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
     const void* g = reinterpret_cast<const void*>(m[kG]);
     if (m[kBlock] == 1) {
       const int64_t lo = j * kDenseTile, hi = std::min(lo + kDenseTile, m[kNumel]);
-      r.dense_fn(p, g, reinterpret_cast<float*>(m[kExpAvg]),
+      r.fn.dense(p, g, reinterpret_cast<float*>(m[kExpAvg]),
                  reinterpret_cast<float*>(m[kExpAvgSq]), lo, hi, r.h);
       return;
     }
-    r.block_fn(j, p, g, reinterpret_cast<uint8_t*>(m[kCodes]),
+    r.fn.block(j, p, g, reinterpret_cast<uint8_t*>(m[kCodes]),
                reinterpret_cast<float*>(m[kAbsmax]), reinterpret_cast<float*>(m[kV]),
                reinterpret_cast<const float*>(m[kLevels]), r.mp.data(), r.n_mids, lut_of(s),
                m[kStart], m[kNumel], m[kBlock], r.four, r.h, r.pair4.data(), buf, idx);
@@ -346,6 +458,16 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
   for (int s = 0; s < n_seg; ++s)
     if (prep[s].serial)
       for (int64_t j = 0; j < prep[s].items; ++j) item(s, j, buf.data(), idx.data());
+  for (int s = 0; s < n_seg; ++s) {
+    const Prep& r = prep[s];
+    if (!r.columns || r.m[kNumel] == 0) continue;
+    const int64_t* m = r.m;
+    r.fn.columns(reinterpret_cast<void*>(m[kP]), reinterpret_cast<const void*>(m[kG]),
+                 reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
+                 reinterpret_cast<float*>(m[kV]), reinterpret_cast<const float*>(m[kLevels]),
+                 r.mp.data(), r.n_mids, lut_of(s), m[kNumel], -m[kBlock], r.four, r.h,
+                 r.pair4.data(), threads);
+  }
   return 0;
 }
 

@@ -12,8 +12,8 @@ At 4 bits two neighbouring blocks share a byte when a block boundary falls on an
 such segments run block after block instead of in parallel. The kernel uses as many threads as
 torch does (``torch.set_num_threads``).
 
-Column segments (``reference.column_update``) run here on every CPU backend, in one thread: two
-passes over the segment in memory order, with the column sums and maxima in two row-sized buffers.
+Column segments (``reference.column_update``) run here in one thread: two passes over the
+segment in memory order, with the column sums and maxima in row-sized buffers.
 """
 
 from __future__ import annotations

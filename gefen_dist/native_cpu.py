@@ -115,7 +115,7 @@ def step(work: list[tuple]) -> None:
             continue
         rows.append(table.row(p, g, st, levels, mids, bits))
         hyps.append(table.hyper_row(h))
-        blocked8 = st.block_size > 1 and bits == 8
+        blocked8 = st.block_size != 1 and bits == 8
         luts.append(nearest_table(mids, cells).data_ptr() if blocked8 else 0)
     if not rows:
         return

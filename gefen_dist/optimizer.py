@@ -283,7 +283,7 @@ class Gefen(Optimizer):
                 for offset, seg in views:
                     ps = flat_p[offset : offset + seg.numel]
                     gs = flat_g[offset : offset + seg.numel]
-                    if seg.block_size < 0:
+                    if seg.block_size < 0 and impl != "cpu":
                         self._column_step(impl, ps, gs, seg, h, levels, mids, bits)
                     elif impl == "cuda":
                         cuda_work.append((ps, gs, seg, h, levels, mids, bits))
@@ -302,11 +302,11 @@ class Gefen(Optimizer):
 
     @staticmethod
     def _column_step(impl: str, p, g, seg, h, levels, mids, bits) -> None:
-        """Column segments: their own CUDA launches; numba on CPU where it serves (fp32);
-        else the reference."""
+        """Column segments outside the C++ step (which takes them in its table): their own
+        CUDA launches, numba, or the reference."""
         if impl == "cuda":
             native_cuda.column_step(p, g, seg, h, levels, mids, bits)
-        elif impl in ("cpu", "numba") and cpu_kernel is not None and cpu_kernel.supports(p, g):
+        elif impl == "numba" and cpu_kernel.supports(p, g):
             cpu_kernel.column_update(p, g, seg, h, levels, mids, bits)
         else:
             column_update(p, g, seg, h, levels, mids, bits)

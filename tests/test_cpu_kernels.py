@@ -180,6 +180,46 @@ def test_cpp_result_does_not_depend_on_threads(bits, shape):
         assert torch.equal(out[0][1][k], out[1][1][k]), k
 
 
+@pytest.mark.parametrize("bits,shape", [(8, (300, 64)), (4, (300, 64)), (4, (301, 63))])
+def test_cpp_column_result_does_not_depend_on_threads(bits, shape):
+    """Column segments reduce over chunks of rows fixed by the shape, not by the thread count
+    (odd row lengths at 4 bits: chunks of an even number of rows, no byte shared)."""
+    out = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        p = torch.randn(shape, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        o = Gefen([p], bits=bits)
+        for t in range(3):
+            p.grad = _col_grad(p.numel(), 0, shape[1], t).view(shape)
+            o.step()
+        out.append((p.detach().clone(), {k: v.clone() for k, v in o.state[p].items()}))
+    torch.set_num_threads(1)
+    assert int(out[0][1]["layout"][0, 3]) == -shape[1]
+    assert torch.equal(out[0][0], out[1][0])
+    for k in out[0][1]:
+        assert torch.equal(out[0][1][k], out[1][1][k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpp_columns_of_low_precision_params_match_reference(dtype):
+    shape, row = (90, 97), 97
+    ps = []
+    for backend in ("reference", "native"):
+        torch.manual_seed(0)
+        p = torch.randn(shape).to(dtype).requires_grad_()
+        o = Gefen([p], lr=1e-2, bits=4)
+        o.backend = backend
+        for t in range(3):
+            p.grad = _col_grad(p.numel(), 0, row, t).view(shape).to(dtype)
+            o.step()
+        assert int(o.state[p]["layout"][0, 3]) == -row
+        ps.append(p.detach().float())
+    assert o.memory_report()["backend"] == "native-cpu"
+    # same fp32 arithmetic rounded once: at most one ulp of the low-precision format apart
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(ps[1], ps[0], rtol=ulp, atol=1e-3 * ulp)
+
+
 def test_missing_compiler_falls_back_with_a_warning(tmp_path):
     code = (
         "import warnings, torch\n"
