@@ -221,7 +221,9 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
              int threads) {
   const int64_t nb = std::min(numel, period);
   const int64_t rows = (numel + period - 1) / period;
-  int64_t per = std::max<int64_t>(1, (rows + 63) / 64);
+  // at most 64 chunks and 16 MiB of partial sums and maxima (12 bytes per column and chunk)
+  const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(64, (16 << 20) / (12 * nb)));
+  int64_t per = std::max<int64_t>(1, (rows + max_chunks - 1) / max_chunks);
   if (four && (period & 1) && (per & 1)) ++per;
   const int64_t chunks = (rows + per - 1) / per;
   std::vector<double> sums(chunks * nb, 0.0);

@@ -222,8 +222,9 @@ def step(work: list[tuple]) -> None:
 
 
 COLUMN_ROWS = 32
-"""Rows per thread in a column segment's reduction pass (at most 128 chunks of rows): enough
-threads to fill the device on a tall tensor, a few KB to 20 MB of scratch per segment."""
+"""Rows per thread in a column segment's reduction pass, with at most 128 chunks of rows and
+64 MiB of partial sums and maxima (12 bytes per column and chunk): enough threads to fill the
+device on a tall tensor, a bounded transient on a wide one."""
 
 
 def column_step(
@@ -242,7 +243,7 @@ def column_step(
     period = -st.block_size
     nb = min(st.numel, period)
     rows = -(-st.numel // period)
-    chunks = min(128, -(-rows // COLUMN_ROWS))
+    chunks = max(1, min(128, -(-rows // COLUMN_ROWS), (64 << 20) // (12 * nb)))
     per_chunk = -(-rows // chunks)
     chunks = -(-rows // per_chunk)
     device = p.device

@@ -20,12 +20,13 @@ The rule, exactly:
    tensor, R = 1, when there is none).
 4. B = the p with the largest jump (the larger p on ties), if that jump is clear,
    J(p) >= 1 + JUMP, and the blocks below it are structured, R(p) <= STRUCTURE; else B = 1.
-5. Columns: for a tensor of at least two dims with at least MIN_BLOCK rows, the strided reading
-   of "period" (METHOD.md, 2) is a candidate too: period P = the row length, block j = the
-   elements at flat index = j mod P, i.e. column j of the (rows, P) view. Its R_col is computed as
-   in step 2 with P blocks of n / P elements; grouping coarser than a column is the whole tensor,
-   so its jump is 1 / R_col. Columns win, stored as B = -P, when R_col <= STRUCTURE (hence a clear
-   jump) and R_col < R(B) of the contiguous choice (or that choice is B = 1).
+5. Columns: for a tensor of at least two dims with at least MIN_BLOCK rows of at most MAX_BLOCK
+   elements, the strided reading of "period" (METHOD.md, 2) is a candidate too: period P = the
+   row length, block j = the elements at flat index = j mod P, i.e. column j of the (rows, P)
+   view. Its R_col is computed as in step 2 with P blocks of n / P elements; grouping coarser
+   than a column is the whole tensor, so its jump is 1 / R_col. Columns win, stored as B = -P,
+   when R_col <= STRUCTURE (hence a clear jump) and R_col < R(B) of the contiguous choice (or
+   that choice is B = 1).
 
 Why columns: the first gradients of some weights vary along the input axis, not the output axis
 (an MLP's down projection: within-row R 0.93, within-column 0.69, measured by
@@ -58,13 +59,15 @@ _CHUNK = 1 << 18
 
 
 def column_period(shape: tuple[int, ...]) -> int:
-    """The row length P whose columns are a candidate (step 5), or 0 when columns are not."""
+    """The row length P whose columns are a candidate (step 5), or 0 when columns are not:
+    fewer than MIN_BLOCK rows, or rows longer than MAX_BLOCK (a step's per-column scratch, like
+    a block's, stays bounded)."""
     if len(shape) < 2 or shape[0] < MIN_BLOCK:
         return 0
     n = 1
     for s in shape:
         n *= s
-    if n < MIN_SHARED_NUMEL:
+    if n < MIN_SHARED_NUMEL or n // shape[0] > MAX_BLOCK:
         return 0
     return n // shape[0]
 

@@ -142,6 +142,7 @@ def test_columns_need_a_shape_and_enough_rows():
     assert pt.column_period((256,)) == 0
     assert pt.column_period((16, 16)) == 0  # under MIN_SHARED_NUMEL
     assert pt.column_period((256, 192)) == 192
+    assert pt.column_period((8, pt.MAX_BLOCK + 1)) == 0
 
 
 def test_column_statistics_of_pieces_merge_to_the_whole():
