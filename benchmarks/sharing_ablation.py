@@ -1,0 +1,97 @@
+"""Which tensors' sharing costs quality: a bench task with Gefen's block choice overridden per
+tensor, paired with AdamW over seeds.
+
+Each config is a list of ``pattern=value`` rules applied to the block size the partition chose
+for every parameter whose name contains ``pattern``: ``1`` (no sharing: exact AdamW state),
+``rows`` (the contiguous rule alone, no columns) or an integer block size. One subprocess per
+(config, seed), at most two at once, each with one torch thread; the same init, data and
+schedule as ``python -m gefen_dist.bench compare``.
+
+    python benchmarks/sharing_ablation.py --task llama --optimizer gefen4 \\
+        --configs "" "embed=1" "self_attn=1" "mlp=1" "down_proj=rows" "."=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _child(task: str, optimizer: str, seed: int, config: str, scale: float) -> None:
+    sys.path.insert(0, str(ROOT))
+    from gefen_dist import optimizer as gopt
+    from gefen_dist import partition
+    from gefen_dist.bench import suite, tasks
+
+    spec = tasks.scaled(tasks.TASKS[task], scale)
+    names = [n for n, p in tasks.build(spec, seed).model.named_parameters() if p.requires_grad]
+    rules = [r.split("=") for r in config.split(",") if r]
+    chosen = partition.choose_block_size
+    calls: list[tuple[str, int]] = []
+
+    def override(stats, numel):
+        name = names[len(calls)]  # parameters are partitioned in order, one call each
+        b = chosen(stats, numel)
+        for pattern, value in rules:
+            if pattern in name:
+                b = partition._contiguous(stats, numel)[0] if value == "rows" else int(value)
+        calls.append((name, b))
+        return b
+
+    gopt.partition.choose_block_size = override
+    rec = suite.run_one(spec, optimizer, seed)
+    print(
+        json.dumps(dict(final=rec["final"], bytes_per_param=rec["bytes_per_param"], blocks=calls))
+    )
+
+
+def _run(task, optimizer, seed, config, scale) -> dict:
+    cmd = [sys.executable, __file__, "--child", task, optimizer, str(seed), config, str(scale)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        task, optimizer, seed, config, scale = sys.argv[2:7]
+        _child(task, optimizer, int(seed), config, float(scale))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", default="llama")
+    ap.add_argument("--optimizer", default="gefen4")
+    ap.add_argument("--configs", nargs="+", default=[""])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    jobs = [("adamw", "", s) for s in range(args.seeds)]
+    jobs += [(args.optimizer, c, s) for c in args.configs for s in range(args.seeds)]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futs = {j: pool.submit(_run, args.task, j[0], j[2], j[1], args.scale) for j in jobs}
+        res = {j: f.result() for j, f in futs.items()}
+    metric = "val_loss"
+    base = {s: res[("adamw", "", s)]["final"][metric] for s in range(args.seeds)}
+    print(f"task {args.task}, {args.optimizer}, scale {args.scale}, seeds 0..{args.seeds - 1}")
+    print("| config | val loss (mean) | vs AdamW, paired (mean ± std) | bytes/param |")
+    print("|---|---|---|---|")
+    print(f"| AdamW | {statistics.mean(base.values()):.4f} | | 8.00 |")
+    for c in args.configs:
+        vals = [res[(args.optimizer, c, s)]["final"][metric] for s in range(args.seeds)]
+        diffs = [100 * (v / base[s] - 1) for s, v in enumerate(vals)]
+        sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        bpp = res[(args.optimizer, c, 0)]["bytes_per_param"]
+        print(
+            f"| {c or 'as chosen'} | {statistics.mean(vals):.4f} | "
+            f"{statistics.mean(diffs):+.2f} % ± {sd:.2f} | {bpp:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
