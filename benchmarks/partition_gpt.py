@@ -3,7 +3,8 @@
     python benchmarks/partition_gpt.py [--seeds 0 1 2] [--batch-size 16]
 
 Shows the evidence behind the rule in gefen_dist/partition.py: for every tensor the chosen B
-and R(p) (normalised within-block heterogeneity) for candidates up to 4096, per seed.
+(-P: columns of a P-element row), R(p) (normalised within-block heterogeneity) for contiguous
+candidates up to 4096 and R_col for the columns, per seed.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ def main() -> None:
         print(f"seed {seed}")
         for name, p in model.named_parameters():
             cands = pt.candidate_block_sizes(tuple(p.shape))
-            stats = pt.segment_stats(p.grad.reshape(-1), 0, cands)
+            period = pt.column_period(tuple(p.shape))
+            stats = pt.segment_stats(p.grad.reshape(-1), 0, cands, period)
             block = pt.choose_block_size(stats, p.numel())
             r = pt.heterogeneity(stats, p.numel()) if cands else []
             shown = " ".join(f"{q}:{v:.2f}" for q, v in zip(cands, r, strict=True) if q <= 4096)
-            print(f"  {name:36s} {str(tuple(p.shape)):12s} B={block:<5d} {shown}")
+            if period:
+                shown += f" col:{pt.column_heterogeneity(stats, p.numel()):.2f}"
+            print(f"  {name:36s} {str(tuple(p.shape)):12s} B={block:<6d} {shown}")
 
 
 if __name__ == "__main__":
