@@ -216,3 +216,22 @@ def test_state_bytes_counts_fsdp2_state_by_local_shard(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "16"  # m and v, plus four fp32 step counters
+
+
+def test_state_goal_is_not_met_by_default_when_no_momentum_peer_ran():
+    """A comparison of AdamW and Gefen alone says nothing about goal (a)."""
+    from gefen_dist.bench import report, tasks
+
+    metric = dict(diff=0.0, rel=0.0, t=None, n_paired=3)
+    cells = {
+        "adamw": dict(status="ok", bytes_per_param=8.0, val_loss=metric),
+        "adafactor": dict(status="ok", bytes_per_param=0.1, val_loss=metric),  # no momentum
+        "gefen4": dict(status="ok", bytes_per_param=0.6, val_loss=metric),
+        "gefen8": dict(status="ok", bytes_per_param=1.15, val_loss=metric),
+    }
+    g = report.goals({"gru": cells}, [tasks.TASKS["gru"]])
+    assert not g["a_met"]
+    assert all("not evaluated" in x["note"] for x in g["a"])
+    cells["torchao_adamw4bit"] = dict(status="ok", bytes_per_param=1.1, val_loss=metric)
+    g = report.goals({"gru": cells}, [tasks.TASKS["gru"]])
+    assert {x["gefen"]: x["ok"] for x in g["a"]} == {"gefen4": True, "gefen8": False}
