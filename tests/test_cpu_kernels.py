@@ -51,29 +51,40 @@ def _grad(numel, start, row, seed):
 def test_cpu_step_matches_reference(backend, bits, start, numel, shape):
     (pr, pn), (orf, onb) = _pair(bits, start, numel, shape, backend)
     row = shape[1]
-    for t in range(5):
-        g = _grad(numel, start, row, 10 + t)
+    grads = [_grad(numel, start, row, 10 + t) for t in range(5)]
+    for sr, sn in _steps_from_reference_state((pr, pn), (orf, onb), grads):
+        assert int(sr["layout"][0, 3]) == row and int(sn["layout"][0, 3]) == row
+        _assert_step_close(pr, pn, sr, sn, bits, numel, absmax_atol=0.0)
+    assert onb.memory_report()["backend"] == {"native": "native-cpu"}.get(backend, backend)
+    assert orf.memory_report()["backend"] == "reference"
+
+
+def _steps_from_reference_state(ps, opts, grads):
+    """Step both optimizers on each gradient, the second continuing from the reference's
+    state each time, so every comparison is of one step; yields both states after each."""
+    (pr, pn), (orf, onb) = ps, opts
+    for t, g in enumerate(grads):
         pr.grad, pn.grad = g.clone(), g.clone()
-        if t:  # continue both from the reference's state: compare one step at a time
+        if t:
             pn.data.copy_(pr.data)
             for k, v in orf.state[pr].items():
                 onb.state[pn][k].copy_(v)
         orf.step()
         onb.step()
-        sr, sn = orf.state[pr], onb.state[pn]
-        assert int(sr["layout"][0, 3]) == row and int(sn["layout"][0, 3]) == row
-        # v: fp64 vs fp32 accumulation of the block mean of g^2
-        torch.testing.assert_close(sn["v"], sr["v"], rtol=2e-6, atol=0)
-        torch.testing.assert_close(sn["absmax"], sr["absmax"], rtol=1e-6, atol=0)
-        torch.testing.assert_close(pn.detach(), pr.detach(), rtol=1e-6, atol=1e-7)
-        cr, cn = sr["codes"], sn["codes"]
-        if bits == 4:
-            cr, cn = unpack4(cr, numel), unpack4(cn, numel)
-        diff = (cr.long() - cn.long()).abs()
-        assert diff.max() <= 1  # a value on a midpoint may round to the neighbouring level
-        assert (diff > 0).float().mean() < 1e-3
-    assert onb.memory_report()["backend"] == {"native": "native-cpu"}.get(backend, backend)
-    assert orf.memory_report()["backend"] == "reference"
+        yield orf.state[pr], onb.state[pn]
+
+
+def _assert_step_close(pr, pn, sr, sn, bits, numel, absmax_atol):
+    # v: fp64 vs fp32 accumulation of the block mean of g^2
+    torch.testing.assert_close(sn["v"], sr["v"], rtol=2e-6, atol=0)
+    torch.testing.assert_close(sn["absmax"], sr["absmax"], rtol=1e-6, atol=absmax_atol)
+    torch.testing.assert_close(pn.detach(), pr.detach(), rtol=1e-6, atol=1e-7)
+    cr, cn = sr["codes"], sn["codes"]
+    if bits == 4:
+        cr, cn = unpack4(cr, numel), unpack4(cn, numel)
+    diff = (cr.long() - cn.long()).abs()
+    assert diff.max() <= 1  # a value on a midpoint may round to the neighbouring level
+    assert (diff > 0).float().mean() < 1e-3
 
 
 def _col_grad(numel, start, row, seed):
@@ -89,32 +100,18 @@ def _col_grad(numel, start, row, seed):
     [(0, 96 * 200, (200, 96)), (37, 4001, (90, 96)), (5, 50, (60, 97)), (3, 97 * 59, (60, 97))],
 )
 def test_column_step_matches_reference(backend, bits, start, numel, shape):
-    """Column segments run in numba under both CPU backends; pieces start and end mid-row."""
+    """Column segments (C++ under 'native', numba under 'numba'); pieces start and end
+    mid-row."""
     row = shape[1]
     (pr, pn), (orf, onb) = _pair(bits, start, numel, shape, backend, block=-row)
-    for t in range(5):
-        g = _col_grad(numel, start, row, 10 + t)
-        pr.grad, pn.grad = g.clone(), g.clone()
-        if t:
-            pn.data.copy_(pr.data)
-            for k, v in orf.state[pr].items():
-                onb.state[pn][k].copy_(v)
-        orf.step()
-        onb.step()
-        sr, sn = orf.state[pr], onb.state[pn]
+    grads = [_col_grad(numel, start, row, 10 + t) for t in range(5)]
+    for sr, sn in _steps_from_reference_state((pr, pn), (orf, onb), grads):
         assert sr["v"].numel() == min(numel, row)
-        torch.testing.assert_close(sn["v"], sr["v"], rtol=2e-6, atol=0)
         # a piece shorter than a row has one-element columns, whose absmax is |m| itself: where
         # m + w (g - m) cancels, torch's vectorised lerp and the scalar one differ by an ulp of
         # the operands (~4e-9 here), far more than an ulp of the small result
-        torch.testing.assert_close(sn["absmax"], sr["absmax"], rtol=1e-6, atol=1e-8)
-        torch.testing.assert_close(pn.detach(), pr.detach(), rtol=1e-6, atol=1e-7)
-        cr, cn = sr["codes"], sn["codes"]
-        if bits == 4:
-            cr, cn = unpack4(cr, numel), unpack4(cn, numel)
-        diff = (cr.long() - cn.long()).abs()
-        assert diff.max() <= 1
-        assert (diff > 0).float().mean() < 1e-3
+        _assert_step_close(pr, pn, sr, sn, bits, numel, absmax_atol=1e-8)
+    assert onb.memory_report()["backend"] == {"native": "native-cpu"}.get(backend, backend)
 
 
 def test_backend_is_validated():
@@ -160,41 +157,25 @@ def test_cpp_follows_torch_lerp_for_small_beta1():
     torch.testing.assert_close(pn.detach(), pr.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
 @pytest.mark.parametrize("bits,shape", [(8, (300, 64)), (4, (300, 64)), (4, (301, 63))])
-def test_cpp_result_does_not_depend_on_threads(bits, shape):
-    """Blocks are independent, so two threads give the one-thread result bit for bit (odd
-    4-bit boundaries run in order)."""
+def test_cpp_result_does_not_depend_on_threads(bits, shape, columns):
+    """Two threads give the one-thread result bit for bit. Row blocks are independent (odd
+    4-bit boundaries run in order); column segments reduce over chunks of rows fixed by the
+    shape, not by the thread count (odd row lengths at 4 bits: chunks of an even number of
+    rows, no byte shared)."""
+    grad = _col_grad if columns else _grad
     out = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
         p = torch.randn(shape, generator=torch.Generator().manual_seed(0)).requires_grad_()
         o = Gefen([p], bits=bits)
         for t in range(3):
-            p.grad = _grad(p.numel(), 0, shape[1], t).view(shape)
+            p.grad = grad(p.numel(), 0, shape[1], t).view(shape)
             o.step()
         out.append((p.detach().clone(), {k: v.clone() for k, v in o.state[p].items()}))
     torch.set_num_threads(1)
-    assert int(out[0][1]["layout"][0, 3]) == shape[1]
-    assert torch.equal(out[0][0], out[1][0])
-    for k in out[0][1]:
-        assert torch.equal(out[0][1][k], out[1][1][k]), k
-
-
-@pytest.mark.parametrize("bits,shape", [(8, (300, 64)), (4, (300, 64)), (4, (301, 63))])
-def test_cpp_column_result_does_not_depend_on_threads(bits, shape):
-    """Column segments reduce over chunks of rows fixed by the shape, not by the thread count
-    (odd row lengths at 4 bits: chunks of an even number of rows, no byte shared)."""
-    out = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        p = torch.randn(shape, generator=torch.Generator().manual_seed(0)).requires_grad_()
-        o = Gefen([p], bits=bits)
-        for t in range(3):
-            p.grad = _col_grad(p.numel(), 0, shape[1], t).view(shape)
-            o.step()
-        out.append((p.detach().clone(), {k: v.clone() for k, v in o.state[p].items()}))
-    torch.set_num_threads(1)
-    assert int(out[0][1]["layout"][0, 3]) == -shape[1]
+    assert int(out[0][1]["layout"][0, 3]) == (-shape[1] if columns else shape[1])
     assert torch.equal(out[0][0], out[1][0])
     for k in out[0][1]:
         assert torch.equal(out[0][1][k], out[1][1][k]), k
