@@ -23,6 +23,7 @@ import torch
 
 from . import segment_table as table
 from .reference import Hyper, SegmentState
+from .segments import num_blocks
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / "gefen_cuda_binding.cpp", CSRC / "gefen_cuda.cu"]
@@ -110,7 +111,6 @@ def _self_check(device: torch.device) -> None:
     from . import codebook as cb
     from .codes import midpoints
     from .reference import block_update, column_update, dense_update
-    from .segments import num_blocks
 
     gen = torch.Generator().manual_seed(0)
     for bits, dtype, start, numel, block in [
@@ -147,10 +147,7 @@ def _self_check(device: torch.device) -> None:
                 column_update(ps[0], g, sts[0], h, levels, mids, bits)
             else:
                 block_update(ps[0], g, sts[0], h, levels, mids, bits)
-            if block < 0:
-                column_step(ps[1], g, sts[1], h, levels, mids, bits)
-            else:
-                step([(ps[1], g, sts[1], h, levels, mids, bits)])
+            step([(ps[1], g, sts[1], h, levels, mids, bits)])
         torch.cuda.synchronize(device)
         tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
         err = ((ps[1].float() - ps[0].float()).abs() / ps[0].float().abs().clamp_min(1e-3)).max()
@@ -183,8 +180,9 @@ def _table(rows, hyps, counts, device):
 
 
 def step(work: list[tuple]) -> None:
-    """Run every (p, g, segment views, Hyper, levels, mids, bits) of one device in three
-    launches at most. Flat 1-D contiguous views; the optimizer guarantees it."""
+    """Run every (p, g, segment views, Hyper, levels, mids, bits) of one device: three
+    launches for all blocked and B = 1 segments, then three per column segment. Flat 1-D
+    contiguous views; the optimizer guarantees it."""
     ext = load()
     if not work:
         return
@@ -196,16 +194,20 @@ def step(work: list[tuple]) -> None:
         "dense": ([], [], []),
     }
     tile = ext.DENSE_TILE
+    columns = []
     for p, g, st, h, levels, mids, bits in work:
         if st.numel == 0:
             continue
         if p.device != device or g.device != device:
             raise ValueError("Gefen's CUDA step got tensors on several devices in one call")
+        if st.block_size < 0:
+            columns.append((p, g, st, h, levels, mids, bits))
+            continue
         if st.block_size == 1:
             key, count = "dense", -(-st.numel // tile)
         else:
             key = "wide" if st.block_size >= WIDE else "narrow"
-            count = (st.start + st.numel - 1) // st.block_size - st.start // st.block_size + 1
+            count = num_blocks(st.start, st.numel, st.block_size)
         rows, hyps, counts = groups[key]
         rows.append(table.row(p, g, st, levels, mids, bits))
         hyps.append(table.hyper_row(h))
@@ -219,6 +221,8 @@ def step(work: list[tuple]) -> None:
                 ext.dense(meta, hyp, pre, total, stream)
             else:
                 ext.blocks(meta, hyp, pre, total, 256 if key == "wide" else 32, stream)
+    for w in columns:
+        _column_step(ext, *w)
 
 
 COLUMN_ROWS = 32
@@ -227,7 +231,8 @@ COLUMN_ROWS = 32
 device on a tall tensor, a bounded transient on a wide one."""
 
 
-def column_step(
+def _column_step(
+    ext: Any,
     p: torch.Tensor,
     g: torch.Tensor,
     st: SegmentState,
@@ -237,9 +242,6 @@ def column_step(
     bits: int,
 ) -> None:
     """One column segment (``st.block_size`` = -P), as ``reference.column_update``."""
-    ext = load()
-    if st.numel == 0:
-        return
     period = -st.block_size
     nb = min(st.numel, period)
     rows = -(-st.numel // period)

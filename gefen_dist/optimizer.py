@@ -283,14 +283,15 @@ class Gefen(Optimizer):
                 for offset, seg in views:
                     ps = flat_p[offset : offset + seg.numel]
                     gs = flat_g[offset : offset + seg.numel]
-                    if seg.block_size < 0 and impl != "cpu":
-                        self._column_step(impl, ps, gs, seg, h, levels, mids, bits)
-                    elif impl == "cuda":
+                    if impl == "cuda":
                         cuda_work.append((ps, gs, seg, h, levels, mids, bits))
                     elif impl == "cpu":
                         cpu_work.append((ps, gs, seg, h, levels, mids, bits))
                     elif seg.block_size == 1:
                         dense_update(ps, gs, seg, h)
+                    elif seg.block_size < 0:
+                        update = cpu_kernel.column_update if impl == "numba" else column_update
+                        update(ps, gs, seg, h, levels, mids, bits)
                     elif impl == "numba":
                         cpu_kernel.block_update(ps, gs, seg, h, levels, mids, bits)
                     else:
@@ -299,17 +300,6 @@ class Gefen(Optimizer):
         for device in {w[0].device for w in cuda_work}:
             native_cuda.step([w for w in cuda_work if w[0].device == device])
         return loss
-
-    @staticmethod
-    def _column_step(impl: str, p, g, seg, h, levels, mids, bits) -> None:
-        """Column segments outside the C++ step (which takes them in its table): their own
-        CUDA launches, numba, or the reference."""
-        if impl == "cuda":
-            native_cuda.column_step(p, g, seg, h, levels, mids, bits)
-        elif impl == "numba" and cpu_kernel.supports(p, g):
-            cpu_kernel.column_update(p, g, seg, h, levels, mids, bits)
-        else:
-            column_update(p, g, seg, h, levels, mids, bits)
 
     @property
     def backend(self) -> str:
