@@ -52,6 +52,28 @@ class Setup:
     lr: float = 1e-3
     budget_mib: float = 260.0
 
+    def gpt_config(self):
+        from gefen_dist.model import GPTConfig
+
+        return GPTConfig(
+            block_size=self.block_size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd
+        )
+
+    def optimizer(self, name: str, model):
+        """``name`` built the same way in the preload and in every probe."""
+        from gefen_dist.bench import peers
+
+        return peers.build(
+            name,
+            model,
+            self.lr,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            dim=self.n_embd,
+            n_heads=self.n_head,
+            n_kv_heads=self.n_head,
+        )
+
 
 DIST_OPTIMIZERS = ("adamw", "gefen4", "gefen8", "bnb_adamw8bit", "torchao_adamw4bit", "adam_mini")
 """Under DDP/FSDP2: AdamW, Gefen, and the smallest-state peer of each kind with momentum
@@ -107,28 +129,16 @@ def preload(optimizers: list[str], setup: Setup) -> None:
 
     from gefen_dist.bench import peers
     from gefen_dist.corpus import get_batch, load_corpus
-    from gefen_dist.model import GPT, GPTConfig
+    from gefen_dist.model import GPT
 
     torch.set_num_threads(1)
     if not _CORPUS:
         _CORPUS.append(load_corpus(max_bytes=1 * MiB)[0])
-    cfg = GPTConfig(
-        block_size=setup.block_size, n_layer=setup.n_layer, n_head=setup.n_head, n_embd=setup.n_embd
-    )
     gen = torch.Generator().manual_seed(0)
     for name in optimizers:
-        model = GPT(cfg)
+        model = GPT(setup.gpt_config())
         try:
-            opt = peers.build(
-                name,
-                model,
-                setup.lr,
-                betas=(0.9, 0.95),
-                weight_decay=0.1,
-                dim=setup.n_embd,
-                n_heads=setup.n_head,
-                n_kv_heads=setup.n_head,
-            )
+            opt = setup.optimizer(name, model)
             for _ in range(2):
                 x, y = get_batch(_CORPUS[0], 1, setup.block_size, gen)
                 model(x, y)[1].backward()
@@ -163,9 +173,8 @@ def probe(spec: dict, rank: int = 0) -> dict:
     RSS at that moment."""
     import torch
 
-    from gefen_dist.bench import peers
     from gefen_dist.corpus import get_batch
-    from gefen_dist.model import GPT, GPTConfig
+    from gefen_dist.model import GPT
 
     mode, name, b = spec["mode"], spec["optimizer"], spec["b"]
     s = Setup(**spec["setup"])
@@ -178,8 +187,7 @@ def probe(spec: dict, rank: int = 0) -> dict:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) if cuda else None
     torch.manual_seed(0)
-    cfg = GPTConfig(block_size=s.block_size, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd)
-    model = GPT(cfg)
+    model = GPT(s.gpt_config())
     if dev is not None:
         model = model.to(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -187,16 +195,7 @@ def probe(spec: dict, rank: int = 0) -> dict:
     gen = torch.Generator().manual_seed(1 + rank)
     times = []
     try:
-        opt = peers.build(
-            name,
-            model,
-            s.lr,
-            betas=(0.9, 0.95),
-            weight_decay=0.1,
-            dim=s.n_embd,
-            n_heads=s.n_head,
-            n_kv_heads=s.n_head,
-        )
+        opt = s.optimizer(name, model)
         for _ in range(s.steps):
             x, y = get_batch(_CORPUS[0], b, s.block_size, gen)
             if dev is not None:
