@@ -21,8 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gefen_dist.bench import tasks  # noqa: E402
 
 TENSORS = {
-    "llama": ("layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.mlp.gate_proj",
-              "layers.0.mlp.down_proj"),
+    "llama": (
+        "layers.0.self_attn.q_proj",
+        "layers.0.self_attn.k_proj",
+        "layers.0.mlp.gate_proj",
+        "layers.0.mlp.down_proj",
+    ),
     "mlp": ("1.weight", "3.weight"),
 }
 
@@ -41,8 +45,10 @@ def main() -> None:
             for n, p in inst.model.named_parameters():
                 if p.dim() == 2 and any(n.startswith(k) for k in keys):
                     g2 = p.grad.double() ** 2
-                    print(f"| {name} | {n} | {tuple(p.shape)} | {seed} | "
-                          f"{heterogeneity(g2, 1):.2f} | {heterogeneity(g2, 0):.2f} |")
+                    print(
+                        f"| {name} | {n} | {tuple(p.shape)} | {seed} | "
+                        f"{heterogeneity(g2, 1):.2f} | {heterogeneity(g2, 0):.2f} |"
+                    )
 
 
 if __name__ == "__main__":
