@@ -29,7 +29,7 @@ from . import codebook as cb
 from . import native_cpu, native_cuda, partition, sharding, state
 from .codes import midpoints
 from .reference import CHUNK, Hyper, block_update, column_update, dense_update
-from .segments import Segment, block_chunks, block_runs
+from .segments import Segment, block_chunks, block_runs, column_chunks
 
 try:
     from . import cpu_kernel
@@ -596,16 +596,9 @@ def _histogram(
 
 def _column_absmax(g: torch.Tensor, period: int) -> torch.Tensor:
     """max |g| of each of a segment's column blocks (block k: its elements i = k mod period)."""
-    n = g.numel()
-    amax = torch.zeros(min(n, period), dtype=torch.float32, device=g.device)
-    step = max(1, CHUNK // period) * period
-    for a in range(0, n, step):
-        x = g[a : min(a + step, n)].float()
-        whole = x.numel() // period * period
-        if whole:
-            torch.maximum(amax, x[:whole].view(-1, period).abs().amax(dim=0), out=amax)
-        tail = x[whole:].abs()
-        torch.maximum(amax[: tail.numel()], tail, out=amax[: tail.numel()])
+    amax = torch.zeros(min(g.numel(), period), dtype=torch.float32, device=g.device)
+    for lo, hi, w in column_chunks(g.numel(), period, CHUNK):
+        torch.maximum(amax[:w], g[lo:hi].float().view(-1, w).abs().amax(dim=0), out=amax[:w])
     return amax
 
 
@@ -614,16 +607,12 @@ def _column_histogram(
 ) -> None:
     """``_histogram`` for column blocks: each column normalised by its absmax, that of the whole
     column (``columns``, indexed by column) when the tensor is spread over ranks."""
-    n = g.numel()
-    nb = min(n, period)
+    nb = min(g.numel(), period)
     if columns is None:
         amax = _column_absmax(g, period)
     else:
         amax = columns.to(g.device)[(start + torch.arange(nb, device=g.device)) % period]
-    scale = torch.where(amax > 0, amax, torch.ones_like(amax))
-    step = max(1, CHUNK // period) * period
-    for a in range(0, n, step):
-        x = g[a : min(a + step, n)].float()
-        cols = torch.arange(x.numel(), device=g.device) % nb
-        keep = amax[cols] > 0
-        cb.histogram(x[keep] / scale[cols][keep], cb.DEFAULT_BINS, out=counts)
+    keep = amax > 0
+    for lo, hi, w in column_chunks(g.numel(), period, CHUNK):
+        x = g[lo:hi].float().view(-1, w)[:, keep[:w]]
+        cb.histogram((x / amax[:w][keep[:w]]).reshape(-1), cb.DEFAULT_BINS, out=counts)

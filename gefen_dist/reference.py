@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .codes import quantize, read_codes, write_codes
-from .segments import block_chunks
+from .segments import block_chunks, column_chunks
 
 CHUNK = 1 << 17
 
@@ -165,18 +165,10 @@ def column_update(
 
 
 def _column_rows(g, st, h, levels, bits, period):
-    """(a, b, m, g) for elements [a, b) of the segment in runs of whole rows of the segment's
-    (rows, P) view (the last row may be short), m this step's first moment (fp32, rows x width)."""
-    n = st.numel
-    rows = max(1, CHUNK // period)
-    for a in range(0, n, rows * period):
-        b = min(a + rows * period, n)
-        whole = (b - a) // period * period
-        for lo, hi in ((a, a + whole), (a + whole, b)):
-            if hi == lo:
-                continue
-            w = period if hi - lo >= period else hi - lo
-            g32 = g[lo:hi].float().view(-1, w)
-            m = levels[read_codes(st.codes, lo, hi, bits).long()].view_as(g32)
-            m.mul_(st.absmax[:w]).lerp_(g32, 1.0 - h.beta1)
-            yield lo, hi, m, g32
+    """(a, b, m, g) for the chunks of ``column_chunks``, m this step's first moment (fp32,
+    rows x width)."""
+    for lo, hi, w in column_chunks(st.numel, period, CHUNK):
+        g32 = g[lo:hi].float().view(-1, w)
+        m = levels[read_codes(st.codes, lo, hi, bits).long()].view_as(g32)
+        m.mul_(st.absmax[:w]).lerp_(g32, 1.0 - h.beta1)
+        yield lo, hi, m, g32

@@ -125,5 +125,20 @@ def block_chunks(start: int, numel: int, block_size: int, max_elems: int) -> Ite
             )
 
 
+def column_chunks(numel: int, period: int, max_elems: int) -> Iterator[tuple[int, int, int]]:
+    """A column-blocked segment (block k: its elements i = k mod period) in chunks of whole rows
+    of its (rows, period) view, at most max(max_elems, one row) elements each, the short last
+    row on its own: (lo, hi, width), elements [lo, hi) viewing as (-1, width), column j of the
+    view being block j."""
+    step = max(1, max_elems // period) * period
+    for a in range(0, numel, step):
+        b = min(a + step, numel)
+        whole = a + (b - a) // period * period
+        if whole > a:
+            yield a, whole, period
+        if b > whole:
+            yield whole, b, b - whole
+
+
 def plain_segments(numel: int, shape: tuple[int, ...], name: str = "") -> list[Segment]:
     return [Segment(offset=0, numel=numel, start=0, shape=tuple(shape), name=name)]
