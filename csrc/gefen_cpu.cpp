@@ -1,10 +1,12 @@
-// Gefen's update on the CPU: one segment per call, blocks spread over OpenMP threads.
+// Gefen's update on the CPU: every segment of a step in one call, blocks spread over OpenMP
+// threads.
 //
 // The arithmetic is gefen_dist/reference.py's, in its fp32 order of operations, with two
 // stated differences: the block mean of g^2 is accumulated in double (torch sums fp32 in its own
 // order), and nothing else is reordered (built without -ffast-math and with -ffp-contract=off,
 // so no FMA changes a rounding). Per block: one read of g for v, one pass that moves the
-// parameter and finds the new absmax, one pass that writes the codes; no temporaries.
+// parameter and finds the new absmax, one pass that writes the codes; no temporaries. The loops
+// run on typed restrict pointers with lerp's branch hoisted, so GCC vectorises them (AVX2 here).
 //
 // Plain C ABI (loaded with ctypes by gefen_dist/native_cpu.py), so the library builds in a
 // second with the system compiler and does not depend on torch's C++ ABI.
@@ -17,6 +19,9 @@
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#ifdef __AVX2__
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -44,25 +49,30 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline float load(const void* base, int64_t i, int dt) {
-  switch (dt) {
-    case BF16: return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
-    case F16: return static_cast<float>(static_cast<const _Float16*>(base)[i]);
-    default: return static_cast<const float*>(base)[i];
-  }
-}
+// Element access by dtype, on typed pointers: loops over them vectorise, where a runtime dtype
+// switch on void pointers kept GCC to scalar code (alias checks it could not prove).
+template <int DT> struct Elem;
+template <> struct Elem<F32> {
+  using T = float;
+  static float get(float x) { return x; }
+  static float put(float x) { return x; }
+};
+template <> struct Elem<BF16> {
+  using T = uint16_t;
+  static float get(uint16_t x) { return bf16_to_f32(x); }
+  static uint16_t put(float x) { return f32_to_bf16(x); }
+};
+template <> struct Elem<F16> {
+  using T = _Float16;
+  static float get(_Float16 x) { return static_cast<float>(x); }
+  static _Float16 put(float x) { return static_cast<_Float16>(x); }
+};
 
-inline void store(void* base, int64_t i, float x, int dt) {
-  switch (dt) {
-    case BF16: static_cast<uint16_t*>(base)[i] = f32_to_bf16(x); break;
-    case F16: static_cast<_Float16*>(base)[i] = static_cast<_Float16>(x); break;
-    default: static_cast<float*>(base)[i] = x;
-  }
-}
-
-// torch's lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w)
-inline float lerp(float start, float end, float w) {
-  return w < 0.5f ? start + w * (end - start) : end - (end - start) * (1.0f - w);
+// torch's lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w); the
+// branch is a template argument so loops carry none
+template <bool kLow>
+inline float lerp(float start, float end, float w, float w1) {
+  return kLow ? start + w * (end - start) : end - (end - start) * w1;
 }
 
 inline int get_code(const uint8_t* codes, int64_t i, bool four) {
@@ -81,30 +91,24 @@ inline void put_code(uint8_t* codes, int64_t i, int c, bool four) {
   }
 }
 
-// Index of the first midpoint >= x: the nearest level, ties to the lower one. ``mp`` is the
-// midpoints with -inf in front and +inf behind (mp[k + 1] = mids[k]); the lookup table gives, per
-// cell of a uniform grid over [-1, 1], how many midpoints lie below the cell's left edge. One step
-// each way reaches the answer whenever a cell holds at most one midpoint (the table is built that
-// fine); ``exact`` walks any distance, for the rare value that needs more.
-inline int nearest_fast(float x, const float* mp, const int32_t* lut) {
-  // x is in [-1, 1]: truncation is floor; rounding may pick a neighbouring cell, which the
-  // check after the steps catches
-  int c = static_cast<int>((x + 1.0f) * static_cast<float>(kLutCells / 2));
-  c = std::min(std::max(c, 0), kLutCells - 1);
-  int k = lut[c];
-  k += mp[k + 1] < x;
-  k -= mp[k] >= x;
-  return k;
+// The grid cell of x in [-1, 1] (codes.code_table's grid). Rounding may put an x at a cell's edge
+// into its neighbour: the table treats a midpoint next to a cell as in it, for that reason.
+inline int cell(float x) {
+  const int c = static_cast<int>((x + 1.0f) * static_cast<float>(kLutCells / 2));
+  return std::min(std::max(c, 0), kLutCells - 1);
 }
 
+// Index of the first midpoint >= x: the nearest level, ties to the lower one. ``mp`` is the
+// midpoints with -inf in front and +inf behind (mp[k + 1] = mids[k]); walks from any start k.
 inline int nearest_exact(float x, const float* mp, int n_mids, int k) {
   while (k < n_mids && mp[k + 1] < x) ++k;
   while (k > 0 && mp[k] >= x) --k;
   return k;
 }
 
-// The levels of elements [lo, hi) into buf[0, hi - lo); at 4 bits a byte's two levels come in
-// one 8-byte load from ``pair4``: cheaper than two table lookups or a gather.
+// The levels of elements [lo, hi) into buf[0, hi - lo). At 4 bits: with AVX2, eight nibbles at a
+// time through two in-register 8-level permutes; otherwise a byte's two levels in one 8-byte load
+// from ``pair4``. Both are cheaper than a table lookup (or a gather) per element.
 inline void decode(const uint8_t* codes, int64_t lo, int64_t hi, bool four, const float* levels,
                    const float* pair4, float* buf) {
   if (!four) {
@@ -118,7 +122,22 @@ inline void decode(const uint8_t* codes, int64_t lo, int64_t hi, bool four, cons
   const uint8_t* c = codes + (i >> 1);
   const int64_t pairs = (hi - i) / 2;
   float* out = buf + (i - lo);
-  for (int64_t q = 0; q < pairs; ++q) std::memcpy(out + 2 * q, pair4 + 2 * c[q], 8);
+  int64_t q = 0;
+#ifdef __AVX2__
+  // 4 bytes -> 8 nibbles (lane l: bits 4l..4l+3) -> levels through two 8-entry permutes
+  const __m256 low8 = _mm256_loadu_ps(levels), high8 = _mm256_loadu_ps(levels + 8);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i nibble = _mm256_set1_epi32(15);
+  for (; q + 4 <= pairs; q += 4) {
+    int32_t word;
+    std::memcpy(&word, c + q, 4);
+    const __m256i k = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), nibble);
+    const __m256 a = _mm256_permutevar8x32_ps(low8, k), b = _mm256_permutevar8x32_ps(high8, k);
+    _mm256_storeu_ps(out + 2 * q,
+                     _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(k, 28))));
+  }
+#endif
+  for (; q < pairs; ++q) std::memcpy(out + 2 * q, pair4 + 2 * c[q], 8);
   i += 2 * pairs;
   if (i < hi) buf[i - lo] = levels[get_code(codes, i, true)];
 }
@@ -132,16 +151,23 @@ inline void encode(uint8_t* codes, int64_t lo, int64_t hi, bool four, const int3
   }
   int64_t i = lo;
   if (i & 1) put_code(codes, i++, idx[0], true);
-  for (; i + 1 < hi; i += 2)
-    codes[i >> 1] = static_cast<uint8_t>(idx[i - lo] | (idx[i + 1 - lo] << 4));
+  const int64_t pairs = (hi - i) / 2;
+  uint8_t* __restrict c = codes + (i >> 1);
+  const int32_t* __restrict k = idx + (i - lo);
+#pragma omp simd
+  for (int64_t q = 0; q < pairs; ++q) c[q] = static_cast<uint8_t>(k[2 * q] | (k[2 * q + 1] << 4));
+  i += 2 * pairs;
   if (i < hi) put_code(codes, i, idx[i - lo], true);
 }
 
-// Nearest levels of x[i] = buf[i] / scale[i] (kPer) or buf[i] / scale_one.
+// Nearest levels of x[i] = buf[i] / scale[i] (kPer) or buf[i] / scale_one. At 8 bits ``table``
+// (codes.code_table) gives, per cell of a uniform grid over [-1, 1], the answer for any x in the
+// cell when no midpoint lies in or next to it, else -1 - (the midpoints below its left edge):
+// one load for most elements, an exact walk from there for the few near a midpoint.
 template <bool kPer>
-inline void nearest_range(const float* buf, const float* scale, float scale_one, int64_t n,
-                          bool four, const float* mp, int n_mids, const int32_t* lut,
-                          int32_t* idx) {
+inline void nearest_range(const float* __restrict buf, const float* __restrict scale,
+                          float scale_one, int64_t n, bool four, const float* mp, int n_mids,
+                          const int32_t* table, int32_t* __restrict idx) {
   if (four) {
     // 15 midpoints: counting those below x is exact and vectorises, no table needed
     float m15[15];
@@ -156,33 +182,53 @@ inline void nearest_range(const float* buf, const float* scale, float scale_one,
     }
     return;
   }
-  int bad = 0;
-#pragma omp simd reduction(| : bad)
+  int near = 0;
+#pragma omp simd reduction(+ : near)
   for (int64_t i = 0; i < n; ++i) {
     const float x = buf[i] / (kPer ? scale[i] : scale_one);
-    const int k = nearest_fast(x, mp, lut);
-    idx[i] = k;
-    bad |= !(mp[k] < x && mp[k + 1] >= x);
+    idx[i] = table[cell(x)];
+    near += idx[i] < 0;
   }
-  if (bad) {
-    for (int64_t i = 0; i < n; ++i)
-      idx[i] = nearest_exact(buf[i] / (kPer ? scale[i] : scale_one), mp, n_mids, idx[i]);
+  for (int64_t i = 0; near > 0 && i < n; ++i) {
+    if (idx[i] >= 0) continue;
+    idx[i] = nearest_exact(buf[i] / (kPer ? scale[i] : scale_one), mp, n_mids, -1 - idx[i]);
+    --near;
   }
+}
+
+// m = lerp(level * old, g), the parameter step and max |m| of one block's n elements
+template <int PT, int GT, bool kLow>
+inline float move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
+                  const typename Elem<GT>::T* __restrict g, int64_t n, float old, float denom,
+                  const Hyper& h) {
+  const float w1 = 1.0f - h.w;
+  float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < n; ++i) {
+    const float m = lerp<kLow>(buf[i] * old, Elem<GT>::get(g[i]), h.w, w1);
+    buf[i] = m;
+    const float pi = Elem<PT>::get(p[i]) * h.decay;
+    p[i] = Elem<PT>::put(pi + h.neg_step * (m / denom));
+    amax = std::max(amax, std::fabs(m));
+  }
+  return amax;
 }
 
 template <int PT, int GT>
 void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax, float* v,
-               const float* levels, const float* mp, int n_mids, const int32_t* lut,
+               const float* levels, const float* mp, int n_mids, const int32_t* table,
                int64_t start, int64_t numel, int64_t block, bool four, const Hyper& h,
                const float* pair4, float* buf, int32_t* idx) {
   const int64_t b0 = start / block;
   const int64_t lo = std::max((b0 + j) * block, start) - start;
   const int64_t hi = std::min((b0 + j + 1) * block, start + numel) - start;
   const int64_t n = hi - lo;
+  auto* pb = static_cast<typename Elem<PT>::T*>(p) + lo;
+  const auto* gb = static_cast<const typename Elem<GT>::T*>(g) + lo;
   double s = 0.0;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = lo; i < hi; ++i) {
-    const double x = load(g, i, GT);
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = Elem<GT>::get(gb[i]);
     s += x * x;
   }
   const float mean = static_cast<float>(s / static_cast<double>(n));
@@ -191,20 +237,47 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
   const float denom = std::sqrt(vj) / h.bc2 + h.eps;
   const float old = absmax[j];
   decode(codes, lo, hi, four, levels, pair4, buf);
-  float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-  for (int64_t i = 0; i < n; ++i) {
-    float m = buf[i] * old;
-    m = lerp(m, load(g, lo + i, GT), h.w);
-    buf[i] = m;
-    const float pi = load(p, lo + i, PT) * h.decay;
-    store(p, lo + i, pi + h.neg_step * (m / denom), PT);
-    amax = std::max(amax, std::fabs(m));
-  }
+  const float amax = h.w < 0.5f ? move<PT, GT, true>(buf, pb, gb, n, old, denom, h)
+                                : move<PT, GT, false>(buf, pb, gb, n, old, denom, h);
   absmax[j] = amax;
   const float scale = amax > 0.0f ? amax : 1.0f;
-  nearest_range<false>(buf, nullptr, scale, n, four, mp, n_mids, lut, idx);
+  nearest_range<false>(buf, nullptr, scale, n, four, mp, n_mids, table, idx);
   encode(codes, lo, hi, four, idx);
+}
+
+// One row of a column segment, pass 1: g^2 into the column sums (double; its own loop, as the
+// mixed-width loop did not vectorise) and |m| into the column maxima
+template <int GT, bool kLow>
+inline void column_stats(const float* __restrict buf, const typename Elem<GT>::T* __restrict g,
+                         const float* __restrict absmax, double* __restrict s,
+                         float* __restrict mx, int64_t n, float w) {
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) {
+    const double x = Elem<GT>::get(g[k]);
+    s[k] += x * x;
+  }
+  const float w1 = 1.0f - w;
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) {
+    const float a = std::fabs(lerp<kLow>(buf[k] * absmax[k], Elem<GT>::get(g[k]), w, w1));
+    const float cur = mx[k];
+    mx[k] = cur < a ? a : cur;  // std::max on the array element kept GCC from vectorising
+  }
+}
+
+// Pass 2: the same m again, into buf, and the parameter step with each column's denominator
+template <int PT, int GT, bool kLow>
+inline void column_move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
+                        const typename Elem<GT>::T* __restrict g, const float* __restrict absmax,
+                        const float* __restrict denom, int64_t n, const Hyper& h) {
+  const float w1 = 1.0f - h.w;
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) {
+    const float m = lerp<kLow>(buf[k] * absmax[k], Elem<GT>::get(g[k]), h.w, w1);
+    buf[k] = m;
+    const float pi = Elem<PT>::get(p[k]) * h.decay;
+    p[k] = Elem<PT>::put(pi + h.neg_step * (m / denom[k]));
+  }
 }
 
 // Column segments (block size -P): block k holds the segment's elements i = k mod P, so the
@@ -216,14 +289,18 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
 // bits with odd P a chunk holds an even number of rows, so no byte straddles two chunks.
 template <int PT, int GT>
 void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
-             const float* levels, const float* mp, int n_mids, const int32_t* lut,
+             const float* levels, const float* mp, int n_mids, const int32_t* table,
              int64_t numel, int64_t period, bool four, const Hyper& h, const float* pair4,
              int threads) {
+  auto* pt = static_cast<typename Elem<PT>::T*>(p);
+  const auto* gt = static_cast<const typename Elem<GT>::T*>(g);
   const int64_t nb = std::min(numel, period);
   const int64_t rows = (numel + period - 1) / period;
   // at most 64 chunks and 16 MiB of partial sums and maxima (12 bytes per column and chunk)
   const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(64, (16 << 20) / (12 * nb)));
-  int64_t per = std::max<int64_t>(1, (rows + max_chunks - 1) / max_chunks);
+  // and at least 32 rows each: the fixed-order reduction reads every chunk's partials once, which
+  // with a few rows per chunk cost as much as the rows themselves
+  int64_t per = std::max<int64_t>(32, (rows + max_chunks - 1) / max_chunks);
   if (four && (period & 1) && (per & 1)) ++per;
   const int64_t chunks = (rows + per - 1) / per;
   std::vector<double> sums(chunks * nb, 0.0);
@@ -238,14 +315,10 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
       for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
         const int64_t lo = r * period, hi = std::min(lo + period, numel);
         decode(codes, lo, hi, four, levels, pair4, buf.data());
-#pragma omp simd
-        for (int64_t k = 0; k < hi - lo; ++k) {
-          const float gi = load(g, lo + k, GT);
-          const double x = gi;
-          s[k] += x * x;
-          const float m = lerp(buf[k] * absmax[k], gi, h.w);
-          mx[k] = std::max(mx[k], std::fabs(m));
-        }
+        if (h.w < 0.5f)
+          column_stats<GT, true>(buf.data(), gt + lo, absmax, s, mx, hi - lo, h.w);
+        else
+          column_stats<GT, false>(buf.data(), gt + lo, absmax, s, mx, hi - lo, h.w);
       }
     }
   }
@@ -274,14 +347,11 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
       for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
         const int64_t lo = r * period, hi = std::min(lo + period, numel), w = hi - lo;
         decode(codes, lo, hi, four, levels, pair4, buf.data());
-#pragma omp simd
-        for (int64_t k = 0; k < w; ++k) {
-          const float m = lerp(buf[k] * absmax[k], load(g, lo + k, GT), h.w);
-          buf[k] = m;
-          const float pi = load(p, lo + k, PT) * h.decay;
-          store(p, lo + k, pi + h.neg_step * (m / denom[k]), PT);
-        }
-        nearest_range<true>(buf.data(), scale.data(), 1.0f, w, four, mp, n_mids, lut,
+        if (h.w < 0.5f)
+          column_move<PT, GT, true>(buf.data(), pt + lo, gt + lo, absmax, denom.data(), w, h);
+        else
+          column_move<PT, GT, false>(buf.data(), pt + lo, gt + lo, absmax, denom.data(), w, h);
+        nearest_range<true>(buf.data(), scale.data(), 1.0f, w, four, mp, n_mids, table,
                             idx.data());
         encode(codes, lo, hi, four, idx.data());
       }
@@ -290,19 +360,32 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
   std::copy(amax.begin(), amax.end(), absmax);
 }
 
-template <int PT, int GT>
-void dense_range(void* p, const void* g, float* m, float* v, int64_t lo, int64_t hi,
-                 const Hyper& h) {
-  for (int64_t i = lo; i < hi; ++i) {
-    const float gi = load(g, i, GT);
-    const float pi = load(p, i, PT) * h.decay;
-    const float mi = lerp(m[i], gi, h.w);
+template <int PT, int GT, bool kLow>
+inline void dense_tile(typename Elem<PT>::T* __restrict p, const typename Elem<GT>::T* __restrict g,
+                       float* __restrict m, float* __restrict v, int64_t n, const Hyper& h) {
+  const float w1 = 1.0f - h.w;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = Elem<GT>::get(g[i]);
+    const float pi = Elem<PT>::get(p[i]) * h.decay;
+    const float mi = lerp<kLow>(m[i], gi, h.w, w1);
     const float vi = v[i] * h.beta2 + h.a2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
     const float denom = std::sqrt(vi) / h.bc2 + h.eps;
-    store(p, i, pi + h.neg_step * (mi / denom), PT);
+    p[i] = Elem<PT>::put(pi + h.neg_step * (mi / denom));
   }
+}
+
+template <int PT, int GT>
+void dense_range(void* p, const void* g, float* m, float* v, int64_t lo, int64_t hi,
+                 const Hyper& h) {
+  auto* pt = static_cast<typename Elem<PT>::T*>(p) + lo;
+  const auto* gt = static_cast<const typename Elem<GT>::T*>(g) + lo;
+  if (h.w < 0.5f)
+    dense_tile<PT, GT, true>(pt, gt, m + lo, v + lo, hi - lo, h);
+  else
+    dense_tile<PT, GT, false>(pt, gt, m + lo, v + lo, hi - lo, h);
 }
 
 // The segment table's columns, as csrc/gefen_cuda.h (one table format for both backends).
@@ -370,11 +453,10 @@ extern "C" {
 int gefen_cpu_lut_cells() { return kLutCells; }
 int gefen_cpu_meta_cols() { return kMetaCols; }
 
-// One step over a segment table: ``meta`` (n_seg x 16 int64, the columns of Meta; rows may carry
-// a 17th column, the address of the 8-bit lookup table, see ``lut``), ``hyp`` (n_seg x 8 fp32:
-// beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t), sqrt(1 - beta2^t), eps),
-// ``luts`` (n_seg int64: the nearest-level lookup table of each 8-bit segment, or 0). Blocks and
-// dense tiles of every segment share the threads. Returns 0, or -(row + 1) for a row whose
+// One step over a segment table: ``meta`` (n_seg x 16 int64, the columns of Meta), ``hyp``
+// (n_seg x 8 fp32: beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t),
+// sqrt(1 - beta2^t), eps), ``luts`` (n_seg int64: the address of each 8-bit segment's
+// codes.code_table, or 0). Blocks and dense tiles of every segment share the threads. Returns 0, or -(row + 1) for a row whose
 // dtypes, bits or block size it refuses (nothing is written then).
 int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, int n_seg,
                    int threads) {

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from . import segment_table as table
-from .codes import nearest_table
+from .codes import code_table
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "gefen_cpu.cpp"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
@@ -116,7 +116,7 @@ def step(work: list[tuple]) -> None:
         rows.append(table.row(p, g, st, levels, mids, bits))
         hyps.append(table.hyper_row(h))
         blocked8 = st.block_size != 1 and bits == 8
-        luts.append(nearest_table(mids, cells).data_ptr() if blocked8 else 0)
+        luts.append(code_table(mids, cells).data_ptr() if blocked8 else 0)
     if not rows:
         return
     meta = torch.tensor(rows, dtype=torch.int64)

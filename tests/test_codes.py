@@ -46,3 +46,36 @@ def test_quantize_is_nearest_level_ties_to_lower():
     best = dist.min(dim=1).values
     assert torch.equal(dist[torch.arange(x.numel()), q], best)
     assert torch.equal(q[-mids.numel() :], torch.arange(mids.numel()))
+
+
+def _cell(x: torch.Tensor, cells: int) -> torch.Tensor:
+    """csrc/gefen_cpu.cpp's cell(): fp32 (x + 1) * cells / 2, truncated, clamped."""
+    return ((x + 1.0) * float(cells // 2)).to(torch.int64).clamp(0, cells - 1)
+
+
+@pytest.mark.parametrize("crowded", [False, True])
+def test_code_table_answers_are_exact_where_given(crowded):
+    """Where the table gives a code it is bucketize's for every x the kernel maps to that cell,
+    including x on and next to midpoints and cell edges; only cells near a midpoint defer."""
+    cells = 8192
+    levels = uniform_levels(8)
+    if crowded:  # two levels closer than a cell, as a DP codebook may put them near zero
+        levels = torch.sort(torch.cat([levels[:-2], torch.tensor([0.00001, 0.00003])]))[0]
+    mids = codes.midpoints(levels)
+    table = codes.code_table(mids, cells)
+    assert table.dtype == torch.int32 and table.numel() == cells
+    g = torch.Generator().manual_seed(0)
+    edges = torch.linspace(-1.0, 1.0, cells + 1)
+    probes = torch.cat([torch.rand(200_000, generator=g) * 2 - 1, mids, edges])
+    up, down = torch.full_like(probes, 2.0), torch.full_like(probes, -2.0)
+    x = torch.cat([probes, torch.nextafter(probes, up), torch.nextafter(probes, down)])
+    x = x.clamp(-1.0, 1.0)
+    t = table[_cell(x, cells)].long()
+    given = t >= 0
+    assert torch.equal(t[given], torch.bucketize(x[given], mids))
+    # deferred cells are those with a midpoint within one cell width (closed): at most 4 each
+    assert 0 < int((table < 0).sum()) <= 4 * mids.numel()
+    # a deferred cell's start is the count below its widened left edge: never past the answer
+    deferred = ~given
+    assert bool((-1 - t[deferred] <= torch.bucketize(x[deferred], mids)).all())
+    assert codes.code_table(mids, cells) is table  # cached while mids lives
