@@ -28,6 +28,7 @@ TENSORS = {
         "layers.0.mlp.down_proj",
     ),
     "mlp": ("1.weight", "3.weight"),
+    "gru": ("rnn.weight_ih_l0", "rnn.weight_hh_l0", "head.weight"),
 }
 
 

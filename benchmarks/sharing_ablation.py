@@ -9,6 +9,13 @@ schedule as ``python -m gefen_dist.bench compare``.
 
     python benchmarks/sharing_ablation.py --task llama --optimizer gefen4 \\
         --configs "" "embed=1" "self_attn=1" "mlp=1" "down_proj=rows" "."=1
+
+``--rounding stochastic`` is a diagnostic, not a Gefen option: every Gefen run then uses the
+reference update with m requantised by unbiased stochastic rounding between the two neighbouring
+levels instead of to the nearest. Nearest rounding has a dead zone: an entry whose change in a
+step is under half a level spacing keeps its code, so a small m stops decaying when its gradient
+does; stochastic rounding decays it in expectation. Comparing the two says whether that dead zone
+is what a task's gap is made of.
 """
 
 from __future__ import annotations
@@ -24,11 +31,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _child(task: str, optimizer: str, seed: int, config: str, scale: float) -> None:
+def _stochastic_rounding(gopt, reference) -> None:
+    """Patch the reference update's quantiser to round m stochastically (see the docstring)."""
+    import torch
+
+    levels_of: dict[int, torch.Tensor] = {}
+    midpoints = gopt.midpoints
+
+    def remember(levels):
+        mids = midpoints(levels)
+        levels_of[id(mids)] = (levels, mids)
+        return mids
+
+    def quantize(x, mids):
+        levels = levels_of[id(mids)][0]
+        lo = (torch.bucketize(x.contiguous(), levels, right=True) - 1).clamp(0, levels.numel() - 2)
+        a, b = levels[lo], levels[lo + 1]
+        up = torch.rand_like(x) * (b - a) < (x - a)
+        return (lo + up.long()).to(torch.uint8)
+
+    gopt.midpoints = remember
+    reference.quantize = quantize
+    gopt.Gefen._impl = lambda self, p, g: "reference"
+
+
+def _child(task: str, optimizer: str, seed: int, config: str, scale: float, rounding: str) -> None:
     sys.path.insert(0, str(ROOT))
     from gefen_dist import optimizer as gopt
-    from gefen_dist import partition
+    from gefen_dist import partition, reference
     from gefen_dist.bench import suite, tasks
+
+    if rounding == "stochastic":
+        _stochastic_rounding(gopt, reference)
 
     spec = tasks.scaled(tasks.TASKS[task], scale)
     names = [n for n, p in tasks.build(spec, seed).model.named_parameters() if p.requires_grad]
@@ -52,16 +86,17 @@ def _child(task: str, optimizer: str, seed: int, config: str, scale: float) -> N
     )
 
 
-def _run(task, optimizer, seed, config, scale) -> dict:
+def _run(task, optimizer, seed, config, scale, rounding) -> dict:
     cmd = [sys.executable, __file__, "--child", task, optimizer, str(seed), config, str(scale)]
+    cmd.append(rounding if optimizer.startswith("gefen") else "nearest")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        task, optimizer, seed, config, scale = sys.argv[2:7]
-        _child(task, optimizer, int(seed), config, float(scale))
+        task, optimizer, seed, config, scale, rounding = sys.argv[2:8]
+        _child(task, optimizer, int(seed), config, float(scale), rounding)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", default="llama")
@@ -70,15 +105,22 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--rounding", choices=("nearest", "stochastic"), default="nearest")
     args = ap.parse_args()
     jobs = [("adamw", "", s) for s in range(args.seeds)]
     jobs += [(args.optimizer, c, s) for c in args.configs for s in range(args.seeds)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        futs = {j: pool.submit(_run, args.task, j[0], j[2], j[1], args.scale) for j in jobs}
+        futs = {
+            j: pool.submit(_run, args.task, j[0], j[2], j[1], args.scale, args.rounding)
+            for j in jobs
+        }
         res = {j: f.result() for j, f in futs.items()}
     metric = "val_loss"
     base = {s: res[("adamw", "", s)]["final"][metric] for s in range(args.seeds)}
-    print(f"task {args.task}, {args.optimizer}, scale {args.scale}, seeds 0..{args.seeds - 1}")
+    print(
+        f"task {args.task}, {args.optimizer}, scale {args.scale}, seeds 0..{args.seeds - 1}, "
+        f"{args.rounding} rounding of m"
+    )
     print("| config | val loss (mean) | vs AdamW, paired (mean ± std) | bytes/param |")
     print("|---|---|---|---|")
     print(f"| AdamW | {statistics.mean(base.values()):.4f} | | 8.00 |")
