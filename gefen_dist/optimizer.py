@@ -258,13 +258,21 @@ class Gefen(Optimizer):
         self._initialized = all(self.state.get(p) for p in known + list(self._segments))
         cuda_work: list[tuple] = []  # one call / three launches for all native segments
         cpu_work: list[tuple] = []
+        steps = [
+            self.state[p]["step"]
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
+        if steps:
+            torch._foreach_add_(steps, 1)  # one call, not one per tensor
+        impls: dict[tuple, str] = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 st = self.state[p]
-                st["step"] += 1
                 h = Hyper(
                     lr=float(group["lr"]),
                     beta1=beta1,
@@ -279,10 +287,17 @@ class Gefen(Optimizer):
                 flat_g = _flat(sharding.local(p.grad), p, self)
                 if group["maximize"]:
                     flat_g = -flat_g
-                impl = self._impl(flat_p, flat_g)
+                key = (flat_p.device, flat_p.dtype, flat_g.dtype)
+                impl = impls.get(key)
+                if impl is None:
+                    impl = impls[key] = self._impl(flat_p, flat_g)
+                whole = len(views) == 1 and views[0][1].numel == flat_p.numel()
                 for offset, seg in views:
-                    ps = flat_p[offset : offset + seg.numel]
-                    gs = flat_g[offset : offset + seg.numel]
+                    if whole:
+                        ps, gs = flat_p, flat_g
+                    else:
+                        ps = flat_p[offset : offset + seg.numel]
+                        gs = flat_g[offset : offset + seg.numel]
                     if impl == "cuda":
                         cuda_work.append((ps, gs, seg, h, levels, mids, bits))
                     elif impl == "cpu":
