@@ -91,6 +91,14 @@ inline void put_code(uint8_t* codes, int64_t i, int c, bool four) {
   }
 }
 
+inline uint32_t mix32(uint32_t x) {  // "lowbias32", as codes._mix32
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
 // The grid cell of x in [-1, 1] (codes.code_table's grid). Rounding may put an x at a cell's edge
 // into its neighbour: the table treats a midpoint next to a cell as in it, for that reason.
 inline int cell(float x) {
@@ -160,25 +168,38 @@ inline void encode(uint8_t* codes, int64_t lo, int64_t hi, bool four, const int3
   if (i < hi) put_code(codes, i, idx[i - lo], true);
 }
 
-// Nearest levels of x[i] = buf[i] / scale[i] (kPer) or buf[i] / scale_one. At 8 bits ``table``
-// (codes.code_table) gives, per cell of a uniform grid over [-1, 1], the answer for any x in the
-// cell when no midpoint lies in or next to it, else -1 - (the midpoints below its left edge):
-// one load for most elements, an exact walk from there for the few near a midpoint.
+// Codes of x[i] = buf[i] / scale[i] (kPer) or buf[i] / scale_one, element i being element
+// first + i of its tensor. 4 bits: stochastic rounding, codes.stochastic_quantize with u =
+// codes.uniforms(step, index) (``key`` = codes.step_key(step)); the two neighbouring levels
+// come from select chains over the 16 levels (sorted), which vectorise where a gather would
+// not pay. 8 bits: the nearest level; ``table`` (codes.code_table) gives, per cell of a uniform
+// grid over [-1, 1], the answer for any x in the cell when no midpoint lies in or next to it,
+// else -1 - (the midpoints below its left edge): one load for most elements, an exact walk from
+// there for the few near a midpoint.
 template <bool kPer>
 inline void nearest_range(const float* __restrict buf, const float* __restrict scale,
-                          float scale_one, int64_t n, bool four, const float* mp, int n_mids,
-                          const int32_t* table, int32_t* __restrict idx) {
+                          float scale_one, int64_t n, bool four, const float* levels,
+                          const float* mp, int n_mids, const int32_t* table, int64_t first,
+                          uint32_t key, int32_t* __restrict idx) {
   if (four) {
-    // 15 midpoints: counting those below x is exact and vectorises, no table needed
-    float m15[15];
-    for (int t = 0; t < 15; ++t) m15[t] = mp[t + 1];
+    float lv[16];
+    for (int t = 0; t < 16; ++t) lv[t] = levels[t];
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       const float x = buf[i] / (kPer ? scale[i] : scale_one);
+      const uint32_t hsh = mix32(static_cast<uint32_t>(first + i) ^ key);
+      const float u = static_cast<float>(hsh >> 8) * 0x1p-24f;
       int k = 0;
-#pragma GCC unroll 15
-      for (int t = 0; t < 15; ++t) k += m15[t] < x;
-      idx[i] = k;
+      float low = lv[0], high = lv[15];
+#pragma GCC unroll 14
+      for (int t = 1; t < 15; ++t) {
+        const bool le = lv[t] <= x;
+        k += le;
+        low = le ? lv[t] : low;
+      }
+#pragma GCC unroll 14
+      for (int t = 14; t >= 1; --t) high = lv[t] > x ? lv[t] : high;
+      idx[i] = k + (u * (high - low) < x - low ? 1 : 0);
     }
     return;
   }
@@ -217,8 +238,8 @@ inline float move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
 template <int PT, int GT>
 void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax, float* v,
                const float* levels, const float* mp, int n_mids, const int32_t* table,
-               int64_t start, int64_t numel, int64_t block, bool four, const Hyper& h,
-               const float* pair4, float* buf, int32_t* idx) {
+               int64_t start, int64_t numel, int64_t block, bool four, uint32_t key,
+               const Hyper& h, const float* pair4, float* buf, int32_t* idx) {
   const int64_t b0 = start / block;
   const int64_t lo = std::max((b0 + j) * block, start) - start;
   const int64_t hi = std::min((b0 + j + 1) * block, start + numel) - start;
@@ -241,7 +262,8 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
                                 : move<PT, GT, false>(buf, pb, gb, n, old, denom, h);
   absmax[j] = amax;
   const float scale = amax > 0.0f ? amax : 1.0f;
-  nearest_range<false>(buf, nullptr, scale, n, four, mp, n_mids, table, idx);
+  nearest_range<false>(buf, nullptr, scale, n, four, levels, mp, n_mids, table, start + lo, key,
+                       idx);
   encode(codes, lo, hi, four, idx);
 }
 
@@ -290,8 +312,8 @@ inline void column_move(float* __restrict buf, typename Elem<PT>::T* __restrict 
 template <int PT, int GT>
 void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
              const float* levels, const float* mp, int n_mids, const int32_t* table,
-             int64_t numel, int64_t period, bool four, const Hyper& h, const float* pair4,
-             int threads) {
+             int64_t start, int64_t numel, int64_t period, bool four, uint32_t key,
+             const Hyper& h, const float* pair4, int threads) {
   auto* pt = static_cast<typename Elem<PT>::T*>(p);
   const auto* gt = static_cast<const typename Elem<GT>::T*>(g);
   const int64_t nb = std::min(numel, period);
@@ -351,7 +373,8 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
           column_move<PT, GT, true>(buf.data(), pt + lo, gt + lo, absmax, denom.data(), w, h);
         else
           column_move<PT, GT, false>(buf.data(), pt + lo, gt + lo, absmax, denom.data(), w, h);
-        nearest_range<true>(buf.data(), scale.data(), 1.0f, w, four, mp, n_mids, table,
+        nearest_range<true>(buf.data(), scale.data(), 1.0f, w, four, levels, mp, n_mids, table,
+                            start + lo, key,
                             idx.data());
         encode(codes, lo, hi, four, idx.data());
       }
@@ -391,18 +414,18 @@ void dense_range(void* p, const void* g, float* m, float* v, int64_t lo, int64_t
 // The segment table's columns, as csrc/gefen_cuda.h (one table format for both backends).
 enum Meta : int {
   kP = 0, kG, kCodes, kAbsmax, kV, kLevels, kMids, kStart, kNumel, kBlock, kBits, kPDtype,
-  kGDtype, kExpAvg, kExpAvgSq, kNLevels, kMetaCols
+  kGDtype, kExpAvg, kExpAvgSq, kNLevels, kStepKey, kMetaCols
 };
 constexpr int kHypCols = 8;
 constexpr int64_t kDenseTile = 16384;
 
 using BlockFn = void (*)(int64_t, void*, const void*, uint8_t*, float*, float*, const float*,
                          const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
-                         const Hyper&, const float*, float*, int32_t*);
+                         uint32_t, const Hyper&, const float*, float*, int32_t*);
 using DenseFn = void (*)(void*, const void*, float*, float*, int64_t, int64_t, const Hyper&);
 using ColumnFn = void (*)(void*, const void*, uint8_t*, float*, float*, const float*,
-                          const float*, int, const int32_t*, int64_t, int64_t, bool, const Hyper&,
-                          const float*, int);
+                          const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
+                          uint32_t, const Hyper&, const float*, int);
 
 struct Kernels {
   BlockFn block;
@@ -524,7 +547,8 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
     r.fn.block(j, p, g, reinterpret_cast<uint8_t*>(m[kCodes]),
                reinterpret_cast<float*>(m[kAbsmax]), reinterpret_cast<float*>(m[kV]),
                reinterpret_cast<const float*>(m[kLevels]), r.mp.data(), r.n_mids, lut_of(s),
-               m[kStart], m[kNumel], m[kBlock], r.four, r.h, r.pair4.data(), buf, idx);
+               m[kStart], m[kNumel], m[kBlock], r.four, static_cast<uint32_t>(m[kStepKey]), r.h,
+               r.pair4.data(), buf, idx);
   };
 #pragma omp parallel num_threads(std::max(threads, 1)) if (threads > 1 && total > 1)
   {
@@ -549,8 +573,8 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
     r.fn.columns(reinterpret_cast<void*>(m[kP]), reinterpret_cast<const void*>(m[kG]),
                  reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
                  reinterpret_cast<float*>(m[kV]), reinterpret_cast<const float*>(m[kLevels]),
-                 r.mp.data(), r.n_mids, lut_of(s), m[kNumel], -m[kBlock], r.four, r.h,
-                 r.pair4.data(), threads);
+                 r.mp.data(), r.n_mids, lut_of(s), m[kStart], m[kNumel], -m[kBlock], r.four,
+                 static_cast<uint32_t>(m[kStepKey]), r.h, r.pair4.data(), threads);
   }
   return 0;
 }

@@ -3,8 +3,8 @@
 //
 // A team (a warp, or a whole thread block for long blocks) owns one Gefen block: it sums g^2 in
 // double, updates v, moves the parameter with the unquantised m while reducing the new absmax,
-// then requantises m to the nearest level (first midpoint >= x: ties to the lower level, as the
-// reference). The codebook and its midpoints sit in shared memory. A block may be any length:
+// then requantises m: at 8 bits to the nearest level (first midpoint >= x: ties to the lower
+// level, as the reference), at 4 bits stochastically with the reference's counter hash. The codebook and its midpoints sit in shared memory. A block may be any length:
 // teams stride over it, reading g and the old codes twice instead of holding m.
 //
 // 4-bit codes: two per byte, low nibble first, each segment from a byte boundary. A byte whose
@@ -64,6 +64,26 @@ __device__ __forceinline__ int nearest(float x, const float* mids, int n) {
     len = right ? len - half - 1 : half;
   }
   return lo;
+}
+
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {  // "lowbias32", as codes._mix32
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+// 4-bit requantisation: codes.stochastic_quantize of one element with u = codes.uniforms(step,
+// index); ``key`` is codes.step_key(step), ``index`` the element's index in its tensor.
+__device__ __forceinline__ int stochastic(float x, const float* levels, int64_t index,
+                                          uint32_t key) {
+  const uint32_t h = mix32(static_cast<uint32_t>(index) ^ key);
+  const float u = __fmul_rn(static_cast<float>(h >> 8), 0x1p-24f);
+  int k = 0;
+  for (int t = 1; t < 15; ++t) k += levels[t] <= x;
+  const float low = levels[k];
+  return k + (__fmul_rn(u, __fsub_rn(levels[k + 1], low)) < __fsub_rn(x, low) ? 1 : 0);
 }
 
 // Sets one nibble of a byte that another team may be writing the other nibble of.
@@ -151,6 +171,7 @@ __global__ void __launch_bounds__(kThreads) blocks_kernel(const int64_t* __restr
   const int n_levels = static_cast<int>(m[kNLevels]);
   const int64_t start = m[kStart], numel = m[kNumel], block = m[kBlock];
   const bool four = m[kBits] == 4;
+  const uint32_t key = static_cast<uint32_t>(m[kStepKey]);
   const int pt = static_cast<int>(m[kPDtype]), gt = static_cast<int>(m[kGDtype]);
 
   float* levels = s_levels[team];
@@ -209,7 +230,7 @@ __global__ void __launch_bounds__(kThreads) blocks_kernel(const int64_t* __restr
         const int c = half ? (byte >> 4) : (byte & 15);
         float mi = __fmul_rn(levels[c], old);
         mi = lerp(mi, load(g, i, gt), w);
-        const int k = nearest(__fdiv_rn(mi, scale), mids, n_mids);
+        const int k = stochastic(__fdiv_rn(mi, scale), levels, start + i, key);
         out = half ? ((out & 15) | (k << 4)) : ((out & 240) | k);
       }
       // the other nibble belongs to another block of this segment (not padding): share the byte
@@ -307,9 +328,10 @@ struct ColumnRow {
   float* v;
   const float* levels;
   const float* mids;
-  int64_t numel, period;
+  int64_t start, numel, period;
   int n_levels, pt, gt;
   bool four;
+  uint32_t key;
 };
 
 __device__ __forceinline__ ColumnRow column_row(const int64_t* m) {
@@ -321,6 +343,8 @@ __device__ __forceinline__ ColumnRow column_row(const int64_t* m) {
   r.v = reinterpret_cast<float*>(m[kV]);
   r.levels = reinterpret_cast<const float*>(m[kLevels]);
   r.mids = reinterpret_cast<const float*>(m[kMids]);
+  r.start = m[kStart];
+  r.key = static_cast<uint32_t>(m[kStepKey]);
   r.numel = m[kNumel];
   r.period = -m[kBlock];
   r.n_levels = static_cast<int>(m[kNLevels]);
@@ -388,7 +412,8 @@ __device__ __forceinline__ int column_element(const ColumnRow& r, const float* h
   const float pi = __fmul_rn(load(r.p, e, r.pt), hyp[kDecay]);
   store(r.p, e, __fadd_rn(pi, __fmul_rn(hyp[kNegStep], __fdiv_rn(mi, denom[k]))), r.pt);
   const float scale = amax_new[k] > 0.0f ? amax_new[k] : 1.0f;
-  return nearest(__fdiv_rn(mi, scale), mids, r.n_levels - 1);
+  const float x = __fdiv_rn(mi, scale);
+  return r.four ? stochastic(x, levels, r.start + e, r.key) : nearest(x, mids, r.n_levels - 1);
 }
 
 __global__ void __launch_bounds__(kThreads) columns_apply_kernel(

@@ -27,7 +27,8 @@ enum Meta : int {
   kExpAvg,        // fp32 m per element (B = 1)
   kExpAvgSq,      // fp32 v per element (B = 1)
   kNLevels,       // 16 or 256
-  kMetaCols = 16
+  kStepKey,       // codes.step_key(step): 4-bit stochastic rounding's per-step hash
+  kMetaCols = 17
 };
 
 // One row of the per-segment hyperparameters (fp32), computed on the host from the group's lr,

@@ -27,6 +27,50 @@ def quantize(x: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x, mids).to(torch.uint8)
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x < 2^32 in int64, in two 16-bit halves so nothing overflows."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def step_key(step: int) -> int:
+    """mix(step mod 2^32): the per-step half of ``uniforms``' hash, which kernels take as is."""
+    return int(_mix32(torch.tensor(step & _M32, dtype=torch.int64)))
+
+
+def uniforms(step: int, index: torch.Tensor) -> torch.Tensor:
+    """u in [0, 1) (fp32, multiples of 2^-24) for each element index at this step: a counter
+    hash, not a generator, so every backend, rank layout and resumed run draws the same u for
+    the same (step, element of its tensor). The native kernels compute the same function:
+    h = mix(index ^ mix(step)), mix the 32-bit "lowbias32" finaliser, u = (h >> 8) * 2^-24."""
+    h = _mix32((index.to(torch.int64) & _M32) ^ step_key(step))
+    return (h >> 8).to(torch.float32) * (2.0**-24)
+
+
+def stochastic_quantize(x: torch.Tensor, levels: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Codes for x in [-1, 1] rounded to one of its two neighbouring levels, up with probability
+    (x - lower) / (upper - lower), decided by ``u``: unbiased, so a small first moment decays
+    as it should instead of sitting in nearest rounding's dead zone (see ``reference``). fp32
+    arithmetic in this order: k = #interior levels <= x, d = L[k+1] - L[k], up iff u * d <
+    x - L[k]."""
+    k = torch.bucketize(x, levels[1:-1].contiguous(), right=True)
+    low = levels[k]
+    up = u * (levels[k + 1] - low) < x - low
+    return (k + up).to(torch.uint8)
+
+
 def pack4(codes: torch.Tensor) -> torch.Tensor:
     n = codes.numel()
     if n % 2:

@@ -24,7 +24,7 @@ import numba
 import numpy as np
 import torch
 
-from .codes import nearest_table
+from .codes import nearest_table, step_key
 from .reference import Hyper, SegmentState
 
 
@@ -63,9 +63,42 @@ def _nearest(x, mids, lut):
     return k
 
 
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+@numba.njit(cache=True, inline="always")
+def _mix32(x):
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x7FEB352D)) & _M32
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(0x846CA68B)) & _M32
+    return x ^ (x >> np.uint64(16))
+
+
+@numba.njit(cache=True, inline="always")
+def _stochastic(x, levels, index, key):
+    """codes.stochastic_quantize of one element, u = codes.uniforms(step, index)."""
+    u = np.float32(_mix32((np.uint64(index) & _M32) ^ key) >> np.uint64(8)) * np.float32(2.0**-24)
+    k = 0
+    for t in range(1, levels.shape[0] - 1):
+        if levels[t] <= x:
+            k += 1
+    low = levels[k]
+    if u * (levels[k + 1] - low) < x - low:
+        k += 1
+    return k
+
+
+@numba.njit(cache=True, inline="always")
+def _code(x, levels, mids, lut, index, key, four):
+    if four:
+        return _stochastic(x, levels, index, key)
+    return _nearest(x, mids, lut)
+
+
 @numba.njit(cache=True)
 def _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h):
-    b1, w, b2, a2, decay, neg_step, bc2, eps = h
+    b1, w, b2, a2, decay, neg_step, bc2, eps, key = h
     n = p.shape[0]
     b0 = start // block
     lo = max((b0 + j) * block, start) - start
@@ -89,7 +122,7 @@ def _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four,
     for i in range(lo, hi):
         m = levels[_get(codes, i, four)] * old
         m = m + w * (g[i] - m)
-        _put(codes, i, _nearest(m / scale, mids, lut), four)
+        _put(codes, i, _code(m / scale, levels, mids, lut, start + i, key, four), four)
 
 
 @numba.njit(cache=True, parallel=True)
@@ -105,8 +138,10 @@ def _blocks_serial(p, g, codes, absmax, v, levels, mids, lut, start, block, four
 
 
 @numba.njit(cache=True)
-def _columns(p, g, codes, absmax, v, levels, mids, lut, period, four, h, sum_sq, amax, denom):
-    b1, w, b2, a2, decay, neg_step, bc2, eps = h
+def _columns(
+    p, g, codes, absmax, v, levels, mids, lut, start, period, four, h, sum_sq, amax, denom
+):
+    b1, w, b2, a2, decay, neg_step, bc2, eps, key = h
     n = p.shape[0]
     nb = absmax.shape[0]
     k = 0
@@ -129,7 +164,7 @@ def _columns(p, g, codes, absmax, v, levels, mids, lut, period, four, h, sum_sq,
         m = m + w * (g[i] - m)
         p[i] = p[i] * decay + neg_step * m / denom[k]
         scale = amax[k] if amax[k] > 0 else np.float32(1.0)
-        _put(codes, i, _nearest(m / scale, mids, lut), four)
+        _put(codes, i, _code(m / scale, levels, mids, lut, start + i, key, four), four)
         k += 1
         if k == period:
             k = 0
@@ -152,6 +187,7 @@ def _hyper(h: Hyper) -> tuple:
         f32(-h.step_size),
         f32(h.bc2_sqrt),
         f32(h.eps),
+        np.uint64(step_key(h.step)),
     )
 
 
@@ -175,6 +211,7 @@ def column_update(
         levels.numpy(),
         mids.numpy(),
         nearest_table(mids, LUT_CELLS).numpy(),
+        st.start,
         -st.block_size,
         bits == 4,
         _hyper(h),

@@ -113,7 +113,7 @@ def step(work: list[tuple]) -> None:
     for p, g, st, h, levels, mids, bits in work:
         if st.numel == 0:
             continue
-        rows.append(table.row(p, g, st, levels, mids, bits))
+        rows.append(table.row(p, g, st, levels, mids, bits, h.step))
         hyps.append(table.hyper_row(h))
         blocked8 = st.block_size != 1 and bits == 8
         luts.append(code_table(mids, cells).data_ptr() if blocked8 else 0)

@@ -209,7 +209,7 @@ def step(work: list[tuple]) -> None:
             key = "wide" if st.block_size >= WIDE else "narrow"
             count = num_blocks(st.start, st.numel, st.block_size)
         rows, hyps, counts = groups[key]
-        rows.append(table.row(p, g, st, levels, mids, bits))
+        rows.append(table.row(p, g, st, levels, mids, bits, h.step))
         hyps.append(table.hyper_row(h))
         counts.append(count)
     with torch.cuda.device(device):
@@ -251,7 +251,7 @@ def _column_step(
     device = p.device
     with torch.cuda.device(device):
         meta, hyp, _, _ = _table(
-            [table.row(p, g, st, levels, mids, bits)], [table.hyper_row(h)], [0], device
+            [table.row(p, g, st, levels, mids, bits, h.step)], [table.hyper_row(h)], [0], device
         )
         part_sum = torch.empty(chunks * nb, dtype=torch.float64, device=device)
         part_max = torch.empty(chunks * nb, dtype=torch.float32, device=device)

@@ -7,7 +7,7 @@ Every native kernel is tested against these functions. Per block of B elements (
     v     = b2 * v + (1 - b2) * mean(g^2 over block)   one v per block
     p     = p * (1 - lr * wd)                          decoupled weight decay
     p     = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-    absmax, code = max|m| over block, nearest level of m / absmax
+    absmax, code = max|m| over block, level of m / absmax: nearest (8 bits) or stochastic (4)
 
 Column blocks (block size -P: the segment's element i belongs to block i mod P) follow the same
 formulas with the block's elements strided by P; as v and the new absmax of a column need all of
@@ -15,7 +15,16 @@ its rows before any parameter or code can be written, ``column_update`` reads th
 recomputing m in the second pass (the same fp32 operations, so the same m) instead of storing it.
 
 The parameter moves with the unquantised m of this step; only what is stored is quantised, so the
-quantisation error enters once per step instead of compounding through the update. Segments with
+quantisation error enters once per step instead of compounding through the update.
+
+Rounding: METHOD.md says nearest level, and 8-bit codes do that. At 4 bits nearest rounding has a
+dead zone that costs quality: an entry whose change in one step, (1 - b1) * (g - m), is under
+half a level spacing keeps its code, so a first moment whose gradient has gone quiet stops
+decaying and keeps moving the parameter. 4-bit codes therefore round stochastically between the
+two neighbouring levels (``codes.stochastic_quantize``), unbiased, with u from a counter hash of
+(step, the element's index in its tensor) so every backend and rank layout agrees bit for bit
+and a resumed run continues exactly. Measured: ``benchmarks/sharing_ablation.py --rounding``
+(README, "Quality"). Segments with
 B = 1 keep exact AdamW state (fp32 m and v) and follow torch.optim.AdamW's operations.
 
 Memory: work goes chunk by chunk. A chunk holds whole blocks and at most max(CHUNK, B) elements,
@@ -32,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codes import quantize, read_codes, write_codes
+from .codes import quantize, read_codes, stochastic_quantize, uniforms, write_codes
 from .segments import block_chunks, column_chunks
 
 CHUNK = 1 << 17
@@ -126,7 +135,19 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits) -> None:
     amax = m.abs().amax(dim=1)
     absmax.copy_(amax)
     m.div_(torch.where(amax > 0, amax, torch.ones_like(amax))[:, None])
-    write_codes(st.codes, a, b, quantize(m, mids).view(-1), bits)
+    write_codes(st.codes, a, b, requantize(m, st.start + a, h.step, levels, mids, bits), bits)
+
+
+def requantize(
+    x: torch.Tensor, first: int, step: int, levels: torch.Tensor, mids: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """Flat codes of x (already divided by its absmax), whose elements are those at ``first``,
+    ``first + 1``, ... of their tensor: nearest at 8 bits, stochastic at 4 (module docstring)."""
+    x = x.reshape(-1)
+    if bits == 8:
+        return quantize(x, mids)
+    index = torch.arange(first, first + x.numel(), device=x.device)
+    return stochastic_quantize(x, levels, uniforms(step, index))
 
 
 def column_update(
@@ -160,7 +181,8 @@ def column_update(
         p32.addcdiv_(m, denom[:w], value=-h.step_size)
         if p32 is not pc:
             pc.copy_(p32)
-        write_codes(st.codes, a, b, quantize(m / scale[:w], mids).view(-1), bits)
+        codes = requantize(m / scale[:w], st.start + a, h.step, levels, mids, bits)
+        write_codes(st.codes, a, b, codes, bits)
     st.absmax.copy_(amax)
 
 

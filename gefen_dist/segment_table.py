@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from .codes import step_key
 from .reference import Hyper, SegmentState
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-META_COLS = 16
+META_COLS = 17
 HYP_COLS = 8
 
 
@@ -27,6 +28,7 @@ def row(
     levels: torch.Tensor,
     mids: torch.Tensor,
     bits: int,
+    step: int,
 ) -> list[int]:
     blocked = st.block_size != 1
     return [
@@ -46,6 +48,7 @@ def row(
         0 if blocked else st.exp_avg.data_ptr(),
         0 if blocked else st.exp_avg_sq.data_ptr(),
         levels.numel() if blocked else 0,
+        step_key(step),
     ]
 
 

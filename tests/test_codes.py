@@ -79,3 +79,59 @@ def test_code_table_answers_are_exact_where_given(crowded):
     deferred = ~given
     assert bool((-1 - t[deferred] <= torch.bucketize(x[deferred], mids)).all())
     assert codes.code_table(mids, cells) is table  # cached while mids lives
+
+
+def test_uniforms_are_a_deterministic_uniform_hash_of_step_and_index():
+    idx = torch.arange(1 << 16)
+    u = codes.uniforms(7, idx)
+    assert u.dtype == torch.float32 and bool(((u >= 0) & (u < 1)).all())
+    assert torch.equal(u, codes.uniforms(7, idx.clone()))  # a hash: same (step, index), same u
+    assert torch.equal(u[100:200], codes.uniforms(7, idx[100:200]))  # any slice of the tensor
+    assert not torch.equal(u, codes.uniforms(8, idx))  # a new draw every step
+    counts = torch.histc(u, bins=16, min=0.0, max=1.0)
+    assert float(counts.min()) > 0.9 * u.numel() / 16 and float(counts.max()) < 1.1 * u.numel() / 16
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.02
+
+
+def test_stochastic_quantize_is_unbiased_between_neighbouring_levels():
+    levels = uniform_levels(4)
+    x = torch.linspace(-1.0, 1.0, 37)
+    n = 4000
+    draws = torch.stack(
+        [codes.stochastic_quantize(x, levels, codes.uniforms(s, torch.arange(37))) for s in range(n)]
+    ).long()
+    low = torch.bucketize(x, levels[1:-1], right=True)
+    assert bool(((draws == low) | (draws == low + 1)).all())  # only the two neighbours
+    assert torch.allclose(levels[draws].mean(dim=0), x, atol=0.01)  # E[level] = x
+    on_level = codes.stochastic_quantize(levels, levels, torch.rand(16))
+    assert torch.equal(on_level.long(), torch.arange(16))  # a level stays itself
+
+
+def test_stochastic_rounding_lets_a_quiet_first_moment_decay():
+    """The dead zone that 4-bit codes round stochastically to avoid: one entry keeps the block's
+    absmax up, the others' gradients stop. Nearest rounding keeps their m where it was; the
+    stochastic codes decay it on average as AdamW's m does (0.9^t)."""
+    levels = uniform_levels(4)
+    mids = codes.midpoints(levels)
+    n = 4096
+    idx = torch.arange(n)
+
+    def run(stochastic: bool) -> float:
+        m = torch.zeros(n)
+        for step in range(1, 61):
+            g = torch.full((n,), 0.3 if step <= 10 else 0.0)
+            g[0] = 1.0  # the loud entry: absmax stays ~1
+            m = 0.9 * m + 0.1 * g
+            amax = m.abs().max()
+            x = m / amax
+            q = (
+                codes.stochastic_quantize(x, levels, codes.uniforms(step, idx))
+                if stochastic
+                else codes.quantize(x, mids)
+            )
+            m = levels[q.long()] * amax
+        return float(m[1:].mean())
+
+    exact = 0.3 * (1 - 0.9**10) * 0.9**50  # AdamW's m of a quiet entry
+    assert run(stochastic=False) > 0.1  # stuck
+    assert abs(run(stochastic=True) - exact) < 0.01
