@@ -98,7 +98,10 @@ def test_stochastic_quantize_is_unbiased_between_neighbouring_levels():
     x = torch.linspace(-1.0, 1.0, 37)
     n = 4000
     draws = torch.stack(
-        [codes.stochastic_quantize(x, levels, codes.uniforms(s, torch.arange(37))) for s in range(n)]
+        [
+            codes.stochastic_quantize(x, levels, codes.uniforms(s, torch.arange(37)))
+            for s in range(n)
+        ]
     ).long()
     low = torch.bucketize(x, levels[1:-1], right=True)
     assert bool(((draws == low) | (draws == low + 1)).all())  # only the two neighbours

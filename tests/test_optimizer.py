@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from gefen_dist import Gefen, Segment, reference
+from gefen_dist import Gefen, Segment, codes, reference
 from gefen_dist.codes import unpack4
 
 torch.set_num_threads(1)
@@ -47,7 +47,9 @@ def test_no_sharing_matches_adamw(dtype_wd):
 
 
 def naive_gefen(p, grads, lr, betas, eps, wd, block, levels, start=0):
-    """Per-block AdamW with shared v and an m stored as nearest codebook level * absmax."""
+    """Per-block AdamW with shared v and an m stored as codebook level * absmax: the nearest
+    level at 8 bits; at 4 bits one of the two around it, the upper one when u * spacing <
+    distance above the lower, u = codes.uniforms(step, index in the tensor)."""
     n = p.numel()
     if block < 0:  # columns: elements the same distance apart as a row's length share a block
         ids, nb = (torch.arange(n) + start) % -block, -block
@@ -67,7 +69,12 @@ def naive_gefen(p, grads, lr, betas, eps, wd, block, levels, start=0):
         p = p - lr / (1 - betas[0] ** t) * m / denom[ids]
         amax = torch.zeros(nb).scatter_reduce(0, ids, m.abs(), "amax")
         scaled = m / torch.where(amax > 0, amax, 1.0)[ids]
-        code = (scaled[:, None] - levels[None, :]).abs().argmin(dim=1)
+        if levels.numel() == 16:
+            u = codes.uniforms(t, torch.arange(n) + start)
+            k = (levels[None, 1:-1] <= scaled[:, None]).sum(dim=1)
+            code = k + (u * (levels[k + 1] - levels[k]) < scaled - levels[k]).long()
+        else:
+            code = (scaled[:, None] - levels[None, :]).abs().argmin(dim=1)
         m_q = levels[code] * amax[ids]
     return p
 
