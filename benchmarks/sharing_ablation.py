@@ -10,12 +10,12 @@ schedule as ``python -m gefen_dist.bench compare``.
     python benchmarks/sharing_ablation.py --task llama --optimizer gefen4 \\
         --configs "" "embed=1" "self_attn=1" "mlp=1" "down_proj=rows" "."=1
 
-``--rounding stochastic`` is a diagnostic, not a Gefen option: every Gefen run then uses the
-reference update with m requantised by unbiased stochastic rounding between the two neighbouring
-levels instead of to the nearest. Nearest rounding has a dead zone: an entry whose change in a
-step is under half a level spacing keeps its code, so a small m stops decaying when its gradient
-does; stochastic rounding decays it in expectation. Comparing the two says whether that dead zone
-is what a task's gap is made of.
+``--rounding nearest|stochastic`` is a diagnostic, not a Gefen option: every Gefen run then uses
+the reference update with m requantised that way at every bit width (Gefen itself rounds 8-bit
+codes to the nearest level and 4-bit codes stochastically, ``reference.requantize``). Nearest
+rounding has a dead zone: an entry whose change in a step is under half a level spacing keeps
+its code, so a small m stops decaying when its gradient does; stochastic rounding decays it in
+expectation. Comparing the two says how much of a task's gap that dead zone is.
 """
 
 from __future__ import annotations
@@ -31,27 +31,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _stochastic_rounding(gopt, reference) -> None:
-    """Patch the reference update's quantiser to round m stochastically (see the docstring)."""
+def _force_rounding(gopt, reference, rounding: str) -> None:
+    """Run Gefen through the reference update, requantising m ``rounding``-wise at every width."""
     import torch
 
-    levels_of: dict[int, torch.Tensor] = {}
-    midpoints = gopt.midpoints
+    from gefen_dist import codes
 
-    def remember(levels):
-        mids = midpoints(levels)
-        levels_of[id(mids)] = (levels, mids)
-        return mids
+    def requantize(x, first, step, levels, mids, bits):
+        x = x.reshape(-1)
+        if rounding == "nearest":
+            return codes.quantize(x, mids)
+        index = torch.arange(first, first + x.numel())
+        return codes.stochastic_quantize(x, levels, codes.uniforms(step, index))
 
-    def quantize(x, mids):
-        levels = levels_of[id(mids)][0]
-        lo = (torch.bucketize(x.contiguous(), levels, right=True) - 1).clamp(0, levels.numel() - 2)
-        a, b = levels[lo], levels[lo + 1]
-        up = torch.rand_like(x) * (b - a) < (x - a)
-        return (lo + up.long()).to(torch.uint8)
-
-    gopt.midpoints = remember
-    reference.quantize = quantize
+    reference.requantize = requantize
     gopt.Gefen._impl = lambda self, p, g: "reference"
 
 
@@ -61,8 +54,8 @@ def _child(task: str, optimizer: str, seed: int, config: str, scale: float, roun
     from gefen_dist import partition, reference
     from gefen_dist.bench import suite, tasks
 
-    if rounding == "stochastic":
-        _stochastic_rounding(gopt, reference)
+    if rounding != "as-built":
+        _force_rounding(gopt, reference, rounding)
 
     spec = tasks.scaled(tasks.TASKS[task], scale)
     names = [n for n, p in tasks.build(spec, seed).model.named_parameters() if p.requires_grad]
@@ -88,7 +81,7 @@ def _child(task: str, optimizer: str, seed: int, config: str, scale: float, roun
 
 def _run(task, optimizer, seed, config, scale, rounding) -> dict:
     cmd = [sys.executable, __file__, "--child", task, optimizer, str(seed), config, str(scale)]
-    cmd.append(rounding if optimizer.startswith("gefen") else "nearest")
+    cmd.append(rounding if optimizer.startswith("gefen") else "as-built")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -105,7 +98,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--rounding", choices=("nearest", "stochastic"), default="nearest")
+    ap.add_argument("--rounding", choices=("as-built", "nearest", "stochastic"), default="as-built")
     args = ap.parse_args()
     jobs = [("adamw", "", s) for s in range(args.seeds)]
     jobs += [(args.optimizer, c, s) for c in args.configs for s in range(args.seeds)]
@@ -119,7 +112,7 @@ def main() -> None:
     base = {s: res[("adamw", "", s)]["final"][metric] for s in range(args.seeds)}
     print(
         f"task {args.task}, {args.optimizer}, scale {args.scale}, seeds 0..{args.seeds - 1}, "
-        f"{args.rounding} rounding of m"
+        f"rounding of m: {args.rounding}"
     )
     print("| config | val loss (mean) | vs AdamW, paired (mean ± std) | bytes/param |")
     print("|---|---|---|---|")
