@@ -1,9 +1,10 @@
-"""First-moment codes: nearest-level quantisation and the packed 4-bit layout.
+"""First-moment codes: nearest and stochastic rounding to a codebook, and the packed 4-bit layout.
 
 Codes of one segment start on a byte boundary. At 4 bits, element 2i of a segment is the low
 nibble of byte i and element 2i+1 the high nibble, so a segment of n elements takes ceil(n/2)
-bytes and a state saved at 4 bits stays at 4 bits. Ties between two levels go to the lower one;
-native kernels must do the same to match the reference bit for bit.
+bytes and a state saved at 4 bits stays at 4 bits. Nearest rounding (8 bits) sends ties between
+two levels to the lower one; stochastic rounding (4 bits) draws u from a hash of the step and
+the element's index. Native kernels do the same, to match the reference bit for bit.
 """
 
 from __future__ import annotations
