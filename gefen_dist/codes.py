@@ -47,8 +47,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def step_key(step: int) -> int:
-    """mix(step mod 2^32): the per-step half of ``uniforms``' hash, which kernels take as is."""
-    return int(_mix32(torch.tensor(step & _M32, dtype=torch.int64)))
+    """mix(step mod 2^32): the per-step half of ``uniforms``' hash, which kernels take as is.
+    Plain ints (a row of every segment table, every step): _mix32's arithmetic, no tensors."""
+    x = step & _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
 
 
 def uniforms(step: int, index: torch.Tensor) -> torch.Tensor:

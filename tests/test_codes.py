@@ -93,6 +93,12 @@ def test_uniforms_are_a_deterministic_uniform_hash_of_step_and_index():
     assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.02
 
 
+def test_step_key_is_the_tensor_hash_of_the_step():
+    steps = [0, 1, 2, 1000, 2**31 + 5, 2**32 + 3]
+    want = codes._mix32(torch.tensor([s & 0xFFFFFFFF for s in steps], dtype=torch.int64))
+    assert [codes.step_key(s) for s in steps] == want.tolist()
+
+
 def test_stochastic_quantize_is_unbiased_between_neighbouring_levels():
     levels = uniform_levels(4)
     x = torch.linspace(-1.0, 1.0, 37)
