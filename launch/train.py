@@ -354,6 +354,11 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
     if engine is None and accelerator is None:
         dist.barrier()
         dist.destroy_process_group()
+    elif accelerator is not None:
+        # accelerate asks every script to end so (it destroys the process group); without it a
+        # rank once aborted at exit in CI ("terminate called without an active exception")
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
     return result
 
 
