@@ -33,16 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _force_rounding(gopt, reference, rounding: str) -> None:
     """Run Gefen through the reference update, requantising m ``rounding``-wise at every width."""
-    import torch
-
     from gefen_dist import codes
 
     def requantize(x, first, step, levels, mids, bits):
         x = x.reshape(-1)
         if rounding == "nearest":
             return codes.quantize(x, mids)
-        index = torch.arange(first, first + x.numel())
-        return codes.stochastic_quantize(x, levels, codes.uniforms(step, index))
+        return reference.stochastic_codes(x, first, step, levels)
 
     reference.requantize = requantize
     gopt.Gefen._impl = lambda self, p, g: "reference"

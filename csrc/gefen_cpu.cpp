@@ -114,6 +114,15 @@ inline int nearest_exact(float x, const float* mp, int n_mids, int k) {
   return k;
 }
 
+#ifdef __AVX2__
+// levels[k] for eight k in [0, 16): the 16 levels live in two registers, low8 = levels[0..8)
+// and high8 = levels[8..16); bit 3 of k picks the register
+inline __m256 level16(__m256 low8, __m256 high8, __m256i k) {
+  const __m256 a = _mm256_permutevar8x32_ps(low8, k), b = _mm256_permutevar8x32_ps(high8, k);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(k, 28)));
+}
+#endif
+
 // The levels of elements [lo, hi) into buf[0, hi - lo). At 4 bits: with AVX2, eight nibbles at a
 // time through two in-register 8-level permutes; otherwise a byte's two levels in one 8-byte load
 // from ``pair4``. Both are cheaper than a table lookup (or a gather) per element.
@@ -140,9 +149,7 @@ inline void decode(const uint8_t* codes, int64_t lo, int64_t hi, bool four, cons
     int32_t word;
     std::memcpy(&word, c + q, 4);
     const __m256i k = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), nibble);
-    const __m256 a = _mm256_permutevar8x32_ps(low8, k), b = _mm256_permutevar8x32_ps(high8, k);
-    _mm256_storeu_ps(out + 2 * q,
-                     _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(k, 28))));
+    _mm256_storeu_ps(out + 2 * q, level16(low8, high8, k));
   }
 #endif
   for (; q < pairs; ++q) std::memcpy(out + 2 * q, pair4 + 2 * c[q], 8);
@@ -171,13 +178,14 @@ inline void encode(uint8_t* codes, int64_t lo, int64_t hi, bool four, const int3
 // Codes of x[i] = buf[i] / scale[i] (kPer) or buf[i] / scale_one, element i being element
 // first + i of its tensor. 4 bits: stochastic rounding, codes.stochastic_quantize with u =
 // codes.uniforms(step, index) (``key`` = codes.step_key(step)); the two neighbouring levels
-// come from select chains over the 16 levels (sorted), which vectorise where a gather would
-// not pay. 8 bits: the nearest level; ``table`` (codes.code_table) gives, per cell of a uniform
-// grid over [-1, 1], the answer for any x in the cell when no midpoint lies in or next to it,
-// else -1 - (the midpoints below its left edge): one load for most elements, an exact walk from
+// come from in-register permutes with AVX2, else (and for the tail) from select chains over
+// the 16 sorted levels, which vectorise where a gather would not pay. 8 bits: the nearest
+// level; ``table`` (codes.code_table) gives, per cell of a uniform grid over [-1, 1], the
+// answer for any x in the cell when no midpoint lies in or next to it, else -1 - (the
+// midpoints below its left edge): one load for most elements, an exact walk from
 // there for the few near a midpoint.
 template <bool kPer>
-inline void nearest_range(const float* __restrict buf, const float* __restrict scale,
+inline void requantize_range(const float* __restrict buf, const float* __restrict scale,
                           float scale_one, int64_t n, bool four, const float* levels,
                           const float* mp, int n_mids, const int32_t* table, int64_t first,
                           uint32_t key, int32_t* __restrict idx) {
@@ -192,10 +200,6 @@ inline void nearest_range(const float* __restrict buf, const float* __restrict s
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
     const __m256i c1 = _mm256_set1_epi32(0x7FEB352D), c2 = _mm256_set1_epi32(0x846CA68B);
     const __m256i keys = _mm256_set1_epi32(static_cast<int32_t>(key));
-    auto level = [&](__m256i k) {
-      const __m256 a = _mm256_permutevar8x32_ps(low8, k), b = _mm256_permutevar8x32_ps(high8, k);
-      return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(k, 28)));
-    };
     for (; i0 + 8 <= n; i0 += 8) {
       const __m256 d = kPer ? _mm256_loadu_ps(scale + i0) : _mm256_set1_ps(scale_one);
       const __m256 x = _mm256_div_ps(_mm256_loadu_ps(buf + i0), d);
@@ -212,7 +216,8 @@ inline void nearest_range(const float* __restrict buf, const float* __restrict s
       for (int t = 1; t < 15; ++t)
         k = _mm256_sub_epi32(
             k, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(lv[t]), x, _CMP_LE_OQ)));
-      const __m256 lo = level(k), hi = level(_mm256_add_epi32(k, one));
+      const __m256 lo = level16(low8, high8, k);
+      const __m256 hi = level16(low8, high8, _mm256_add_epi32(k, one));
       const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(hi, lo)),
                                       _mm256_sub_ps(x, lo), _CMP_LT_OQ);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + i0),
@@ -297,7 +302,7 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
                                 : move<PT, GT, false>(buf, pb, gb, n, old, denom, h);
   absmax[j] = amax;
   const float scale = amax > 0.0f ? amax : 1.0f;
-  nearest_range<false>(buf, nullptr, scale, n, four, levels, mp, n_mids, table, start + lo, key,
+  requantize_range<false>(buf, nullptr, scale, n, four, levels, mp, n_mids, table, start + lo, key,
                        idx);
   encode(codes, lo, hi, four, idx);
 }
@@ -408,7 +413,7 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
           column_move<PT, GT, true>(buf.data(), pt + lo, gt + lo, absmax, denom.data(), w, h);
         else
           column_move<PT, GT, false>(buf.data(), pt + lo, gt + lo, absmax, denom.data(), w, h);
-        nearest_range<true>(buf.data(), scale.data(), 1.0f, w, four, levels, mp, n_mids, table,
+        requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, levels, mp, n_mids, table,
                             start + lo, key,
                             idx.data());
         encode(codes, lo, hi, four, idx.data());
@@ -511,11 +516,11 @@ extern "C" {
 int gefen_cpu_lut_cells() { return kLutCells; }
 int gefen_cpu_meta_cols() { return kMetaCols; }
 
-// One step over a segment table: ``meta`` (n_seg x 16 int64, the columns of Meta), ``hyp``
+// One step over a segment table: ``meta`` (n_seg x kMetaCols int64, the columns of Meta), ``hyp``
 // (n_seg x 8 fp32: beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t),
 // sqrt(1 - beta2^t), eps), ``luts`` (n_seg int64: the address of each 8-bit segment's
-// codes.code_table, or 0). Blocks and dense tiles of every segment share the threads. Returns 0, or -(row + 1) for a row whose
-// dtypes, bits or block size it refuses (nothing is written then).
+// codes.code_table, or 0). Blocks and dense tiles of every segment share the threads. Returns 0,
+// or -(row + 1) for a row whose dtypes, bits or block size it refuses (nothing is written then).
 int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, int n_seg,
                    int threads) {
   std::vector<Prep> prep(n_seg);
@@ -540,20 +545,20 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
     } else {
       r.n_mids = static_cast<int>(m[kNLevels]) - 1;
       if (r.n_mids + 1 != (r.four ? 16 : 256)) return -(s + 1);
-      const float* mids = reinterpret_cast<const float*>(m[kMids]);
       const float* levels = reinterpret_cast<const float*>(m[kLevels]);
-      r.mp.resize(r.n_mids + 2);
-      r.mp[0] = -INFINITY;
-      std::copy(mids, mids + r.n_mids, r.mp.begin() + 1);
-      r.mp[r.n_mids + 1] = INFINITY;
-      if (r.four) {
+      if (r.four) {  // stochastic rounding works on the levels; midpoints are for 8 bits
         r.pair4.resize(512);
         for (int b = 0; b < 256; ++b) {
           r.pair4[2 * b] = levels[b & 15];
           r.pair4[2 * b + 1] = levels[b >> 4];
         }
-      } else if (!luts[s]) {
-        return -(s + 1);
+      } else {
+        if (!luts[s]) return -(s + 1);
+        const float* mids = reinterpret_cast<const float*>(m[kMids]);
+        r.mp.resize(r.n_mids + 2);
+        r.mp[0] = -INFINITY;
+        std::copy(mids, mids + r.n_mids, r.mp.begin() + 1);
+        r.mp[r.n_mids + 1] = INFINITY;
       }
       if (r.columns) {
         prefix[s + 1] = prefix[s];  // after the other segments, each with all the threads

@@ -4,8 +4,9 @@
 // A team (a warp, or a whole thread block for long blocks) owns one Gefen block: it sums g^2 in
 // double, updates v, moves the parameter with the unquantised m while reducing the new absmax,
 // then requantises m: at 8 bits to the nearest level (first midpoint >= x: ties to the lower
-// level, as the reference), at 4 bits stochastically with the reference's counter hash. The codebook and its midpoints sit in shared memory. A block may be any length:
-// teams stride over it, reading g and the old codes twice instead of holding m.
+// level, as the reference), at 4 bits stochastically with the reference's counter hash. The
+// codebook and its midpoints sit in shared memory. A block may be any length: teams stride over
+// it, reading g and the old codes twice instead of holding m.
 //
 // 4-bit codes: two per byte, low nibble first, each segment from a byte boundary. A byte whose
 // other nibble belongs to another block (a boundary on an odd element) is written with a

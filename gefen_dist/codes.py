@@ -120,26 +120,13 @@ def _forget(key: tuple[int, int], _ref: weakref.ref) -> None:
     _TABLES.pop(key, None)
 
 
-def nearest_table(mids: torch.Tensor, cells: int) -> torch.Tensor:
-    """For cell c of a uniform grid of ``cells`` over [-1, 1], how many midpoints lie below its
-    left edge (int32): where a native kernel starts looking for the nearest level, so it needs a
-    step or two instead of a binary search. Cached per midpoints tensor while it lives."""
-    key = (id(mids), cells)
-    hit = _TABLES.get(key)
-    if hit is not None and hit[0]() is mids:
-        return hit[1]
-    edges = torch.linspace(-1.0, 1.0, cells + 1, dtype=torch.float64)[:-1]
-    table = torch.searchsorted(mids.double().contiguous(), edges).to(torch.int32)
-    return _cache(key, mids, table)
-
-
 def code_table(mids: torch.Tensor, cells: int) -> torch.Tensor:
     """For cell c of a uniform grid of ``cells`` over [-1, 1] (int32): the nearest level's index
     for every x in the cell when no midpoint lies within one cell width of it, else -1 - (the
     midpoints below the cell's left edge minus one width). So a native kernel finds most codes
     with one load, vectorised, and walks from the start it is given for the rest; the margin
     covers an x that rounding puts into a neighbouring cell. Cached per midpoints tensor."""
-    key = (id(mids), -cells)
+    key = (id(mids), cells)
     hit = _TABLES.get(key)
     if hit is not None and hit[0]() is mids:
         return hit[1]
@@ -149,9 +136,5 @@ def code_table(mids: torch.Tensor, cells: int) -> torch.Tensor:
     below = torch.searchsorted(m, left - width)  # midpoints < the widened left edge
     upto = torch.searchsorted(m, left + 2 * width, right=True)  # <= the widened right edge
     table = torch.where(upto == below, below, -1 - below).to(torch.int32)
-    return _cache(key, mids, table)
-
-
-def _cache(key: tuple[int, int], mids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     _TABLES[key] = (weakref.ref(mids, functools.partial(_forget, key)), table)
     return table

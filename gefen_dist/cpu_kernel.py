@@ -24,7 +24,7 @@ import numba
 import numpy as np
 import torch
 
-from .codes import nearest_table, step_key
+from .codes import code_table, step_key
 from .reference import Hyper, SegmentState
 
 
@@ -51,10 +51,14 @@ LUT_CELLS = 4096
 
 @numba.njit(cache=True, inline="always")
 def _nearest(x, mids, lut):
-    """Index of the first midpoint >= x: the nearest level, ties to the lower one."""
+    """Index of the first midpoint >= x: the nearest level, ties to the lower one. ``lut`` is
+    codes.code_table: the answer, or -1 - where to start walking."""
     c = int(math.floor((np.float64(x) + 1.0) * (LUT_CELLS / 2)))
     c = min(max(c, 0), LUT_CELLS - 1)
     k = np.int64(lut[c])
+    if k >= 0:
+        return k
+    k = -1 - k
     n = mids.shape[0]
     while k < n and mids[k] < x:
         k += 1
@@ -210,7 +214,7 @@ def column_update(
         st.v.numpy(),
         levels.numpy(),
         mids.numpy(),
-        nearest_table(mids, LUT_CELLS).numpy(),
+        code_table(mids, LUT_CELLS).numpy(),
         st.start,
         -st.block_size,
         bits == 4,
@@ -241,7 +245,7 @@ def block_update(
         st.v.numpy(),
         levels.numpy(),
         mids.numpy(),
-        nearest_table(mids, LUT_CELLS).numpy(),
+        code_table(mids, LUT_CELLS).numpy(),
         st.start,
         st.block_size,
         four,

@@ -15,7 +15,8 @@ its rows before any parameter or code can be written, ``column_update`` reads th
 recomputing m in the second pass (the same fp32 operations, so the same m) instead of storing it.
 
 The parameter moves with the unquantised m of this step; only what is stored is quantised, so the
-quantisation error enters once per step instead of compounding through the update.
+quantisation error enters once per step instead of compounding through the update. Segments with
+B = 1 keep exact AdamW state (fp32 m and v) and follow torch.optim.AdamW's operations.
 
 Rounding: METHOD.md says nearest level, and 8-bit codes do that. At 4 bits nearest rounding has a
 dead zone that costs quality: an entry whose change in one step, (1 - b1) * (g - m), is under
@@ -24,8 +25,7 @@ decaying and keeps moving the parameter. 4-bit codes therefore round stochastica
 two neighbouring levels (``codes.stochastic_quantize``), unbiased, with u from a counter hash of
 (step, the element's index in its tensor) so every backend and rank layout agrees bit for bit
 and a resumed run continues exactly. Measured: ``benchmarks/sharing_ablation.py --rounding``
-(README, "Quality"). Segments with
-B = 1 keep exact AdamW state (fp32 m and v) and follow torch.optim.AdamW's operations.
+(README, "Quality").
 
 Memory: work goes chunk by chunk. A chunk holds whole blocks and at most max(CHUNK, B) elements,
 and the temporaries of one chunk are at most ~40 bytes per element (fp32 copies of g, m, p and the
@@ -144,8 +144,12 @@ def requantize(
     """Flat codes of x (already divided by its absmax), whose elements are those at ``first``,
     ``first + 1``, ... of their tensor: nearest at 8 bits, stochastic at 4 (module docstring)."""
     x = x.reshape(-1)
-    if bits == 8:
-        return quantize(x, mids)
+    return quantize(x, mids) if bits == 8 else stochastic_codes(x, first, step, levels)
+
+
+def stochastic_codes(x: torch.Tensor, first: int, step: int, levels: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of flat x, its elements those at ``first``, ``first + 1``, ... of
+    their tensor (u = codes.uniforms of the step and those indices)."""
     index = torch.arange(first, first + x.numel(), device=x.device)
     return stochastic_quantize(x, levels, uniforms(step, index))
 
