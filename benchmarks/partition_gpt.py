@@ -35,7 +35,7 @@ def main() -> None:
             cands = pt.candidate_block_sizes(tuple(p.shape))
             period = pt.column_period(tuple(p.shape))
             stats = pt.segment_stats(p.grad.reshape(-1), 0, cands, period)
-            block = pt.choose_block_size(stats, p.numel())
+            block = pt.choose_block_size(stats, p.numel(), pt.row_length(tuple(p.shape)))
             r = pt.heterogeneity(stats, p.numel()) if cands else []
             shown = " ".join(f"{q}:{v:.2f}" for q, v in zip(cands, r, strict=True) if q <= 4096)
             if period:

@@ -60,9 +60,9 @@ def _child(task: str, optimizer: str, seed: int, config: str, scale: float, roun
     chosen = partition.choose_block_size
     calls: list[tuple[str, int]] = []
 
-    def override(stats, numel):
+    def override(stats, numel, row=0):
         name = names[len(calls)]  # parameters are partitioned in order, one call each
-        b = chosen(stats, numel)
+        b = chosen(stats, numel, row)
         for pattern, value in rules:
             if pattern in name:
                 b = partition._contiguous(stats, numel)[0] if value == "rows" else int(value)

@@ -379,6 +379,7 @@ class Gefen(Optimizer):
         """Partition newly seen parameters; learn the codebooks if this is the first time."""
         pieces: dict[Hashable, list[partition.TensorStats]] = {}
         numel_of: dict[Hashable, int] = {}
+        row_of: dict[Hashable, int] = {}
         plan = []
         for p, group in pending:
             segs = self._segments_for(p)
@@ -400,10 +401,13 @@ class Gefen(Optimizer):
                     )
                 pieces.setdefault(key, []).append(st)
                 numel_of[key] = seg.tensor_numel
+                row_of[key] = partition.row_length(seg.shape)
                 keys.append(key)
             plan.append((p, group, segs, keys))
         merged = self._reduce_stats(pieces)
-        block_of = {k: partition.choose_block_size(s, numel_of[k]) for k, s in merged.items()}
+        block_of = {
+            k: partition.choose_block_size(s, numel_of[k], row_of[k]) for k, s in merged.items()
+        }
 
         new_bits = sorted({g["bits"] for _, g, _, _ in plan} - set(self._codebooks))
         if new_bits:

@@ -27,6 +27,21 @@ The rule, exactly:
    than a column is the whole tensor, so its jump is 1 / R_col. Columns win, stored as B = -P,
    when R_col <= STRUCTURE (hence a clear jump) and R_col < R(B) of the contiguous choice (or
    that choice is B = 1).
+6. Alike: a tensor that steps 4-5 leave at B = 1 shares v per row all the same when its elements
+   are as alike as one common variance allows. If g_i = s_i z_i with z_i standard normal, then
+   x = g^2 has CV^2(x) = 2 + 3 c, where c = CV^2(s^2) is the spread of the elements' own
+   variances; so c = (CV^2(x) - 2) / 3 from the tensor's two moments of x. With c <= ALIKE,
+   B = the largest candidate that fits in a row (the row itself where it is a candidate).
+
+Why step 6: the fallback to B = 1 protects elements that differ in ways no block follows, but
+R cannot tell those from elements that do not differ at all: i.i.d. noise of one variance has
+R = 1 too. The suite's 3x3 convolutions behind BatchNorm (c = 0.09-0.33 over seeds) and the q/k
+projections of an initialised Llama-3 are of that kind, and kept 8 bytes/param for nothing.
+ALIKE = 0.5 lets the elements' variances spread by a CV of 0.7: with lognormal variances, one
+shared v then moves each step by an RMS of 0.5 |ln(v_i / v_block)| ~ 0.33 at g0, the size of the
+error the rule's own blocks carry later in training (0.24-0.35 at step 440 on the GRU,
+``benchmarks/sharing_drift.py``); inside the blocks it chooses, c is -0.2 to 0.42 at g0
+(``python benchmarks/alike.py`` prints both c's per tensor and seed).
 
 Why columns: the first gradients of some weights vary along the input axis, not the output axis
 (an MLP's down projection: within-row R 0.93, within-column 0.69, measured by
@@ -55,6 +70,7 @@ MAX_BLOCK = 1 << 17
 MIN_SHARED_NUMEL = 4096
 STRUCTURE = 0.95
 JUMP = 0.05
+ALIKE = 0.5
 _CHUNK = 1 << 18
 
 
@@ -236,13 +252,34 @@ def column_heterogeneity(stats: TensorStats, numel: int) -> float:
     return within / total
 
 
-def choose_block_size(stats: TensorStats, numel: int) -> int:
+def row_length(shape: tuple[int, ...]) -> int:
+    """Elements per row: all dims but the first; a 1-D tensor is one row."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n // shape[0] if len(shape) > 1 and shape[0] > 0 else n
+
+
+def spread(stats: TensorStats, numel: int) -> float:
+    """c of step 6: the spread of the elements' variances implied by the moments of x = g^2;
+    inf where undefined (no statistics, or an all-zero gradient)."""
+    n = float(numel)
+    if stats.count != n or not stats.s1 > 0.0:
+        return float("inf")
+    return (n * stats.s2 / (stats.s1 * stats.s1) - 3.0) / 3.0
+
+
+def choose_block_size(stats: TensorStats, numel: int, row: int = 0) -> int:
     """Apply the rule in the module docstring to merged statistics of a whole tensor: B > 0
-    contiguous blocks, B = -P columns of period P, B = 1 no sharing."""
+    contiguous blocks, B = -P columns of period P, B = 1 no sharing. ``row``: the tensor's
+    row length (``row_length``), for step 6; 0 skips it."""
     best, r_best = _contiguous(stats, numel)
     r_col = column_heterogeneity(stats, numel)
     if r_col <= STRUCTURE and (best == 1 or r_col < r_best):
         return -stats.period
+    if best == 1 and row and spread(stats, numel) <= ALIKE:
+        fits = [p for p in stats.candidates if p <= row]
+        return max(fits) if fits else 1
     return best
 
 
@@ -267,4 +304,4 @@ def block_size_for(grad: torch.Tensor, shape: tuple[int, ...] | None = None) -> 
     shape = tuple(grad.shape) if shape is None else tuple(shape)
     cands = candidate_block_sizes(shape)
     stats = segment_stats(grad, 0, cands, column_period(shape))
-    return choose_block_size(stats, grad.numel())
+    return choose_block_size(stats, grad.numel(), row_length(shape))

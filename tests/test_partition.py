@@ -45,10 +45,38 @@ def test_fused_qkv_non_power_of_two_gives_aligned_row(flat):
 
 @pytest.mark.parametrize("n", [4096, 5000, 65536, 3 * 2**15, 300000])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_iid_noise_gives_no_sharing(n, seed):
-    x = torch.randn(n, generator=_gen(seed))
+def test_iid_noise_of_varied_scales_gives_no_sharing(n, seed):
+    """Elements that differ (each its own scale) but in no pattern a block follows: B = 1."""
+    g = _gen(seed)
+    x = torch.exp(torch.randn(n, generator=g)) * torch.randn(n, generator=g)
     assert pt.block_size_for(x) == 1
     assert pt.block_size_for(x.view(-1, 8) if n % 8 == 0 else x) == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_iid_noise_of_one_scale_shares_per_row(seed):
+    """Step 6: no structure, but every element has the same variance: one v per row."""
+    x = torch.randn(96, 432, generator=_gen(seed))
+    stats = pt.segment_stats(x.reshape(-1), 0, pt.candidate_block_sizes((96, 432)), 432)
+    assert abs(pt.spread(stats, x.numel())) < 0.05
+    assert pt.choose_block_size(stats, x.numel()) == 1  # steps 1-5 alone find nothing
+    assert pt.block_size_for(x) == 432
+    assert pt.block_size_for(torch.randn(5000, generator=_gen(seed))) == 2500  # 1-D: half
+    # 4-D (a 3x3 convolution): the row is everything but the first dim
+    assert pt.block_size_for(torch.randn(48, 48, 3, 3, generator=_gen(seed))) == 432
+
+
+@pytest.mark.parametrize("c", [0.1, 0.3, 0.7, 1.5])
+def test_alike_threshold_follows_the_spread_of_variances(c):
+    """Variances s^2 drawn with CV^2(s^2) = c (gamma): the estimate recovers c, and the tensor
+    shares per row exactly when c <= ALIKE."""
+    torch.manual_seed(7)  # Gamma.sample takes no generator
+    n = 400_000
+    var = torch.distributions.Gamma(1.0 / c, 1.0 / c).sample((n,))
+    x = var.sqrt() * torch.randn(n)
+    stats = pt.segment_stats(x, 0, pt.candidate_block_sizes((800, 500)), 500)
+    assert abs(pt.spread(stats, n) - c) < 0.05 * c + 0.02  # ~3x the error over 10 seeds
+    assert pt.block_size_for(x.view(800, 500)) == (500 if c <= pt.ALIKE else 1)
 
 
 @pytest.mark.parametrize("n", [7919, 65521])
@@ -59,10 +87,11 @@ def test_prime_sizes_give_no_sharing(n):
     assert pt.block_size_for(x) == 1
 
 
-def test_small_zero_and_constant_tensors_give_no_sharing():
+def test_small_and_zero_tensors_give_no_sharing():
     assert pt.block_size_for(_rows(8, 256).reshape(-1)[:1024]) == 1  # under MIN_SHARED_NUMEL
     assert pt.block_size_for(torch.zeros(64, 256)) == 1
-    assert pt.block_size_for(torch.full((64, 256), 3.0)) == 1
+    # a constant gradient: nothing in R, but every element alike (step 6)
+    assert pt.block_size_for(torch.full((64, 256), 3.0)) == 256
     assert pt.block_size_for(torch.zeros(0)) == 1
     assert pt.block_size_for(torch.ones(1)) == 1
 
