@@ -30,8 +30,10 @@ The rule, exactly:
 6. Alike: a tensor that steps 4-5 leave at B = 1 shares v per row all the same when its elements
    are as alike as one common variance allows. If g_i = s_i z_i with z_i standard normal, then
    x = g^2 has CV^2(x) = 2 + 3 c, where c = CV^2(s^2) is the spread of the elements' own
-   variances; so c = (CV^2(x) - 2) / 3 from the tensor's two moments of x. With c <= ALIKE,
-   B = the largest candidate that fits in a row (the row itself where it is a candidate).
+   variances; so c = (CV^2(x) - 2) / 3 from the tensor's two moments of x. With c <= ALIKE and
+   at least two dims, B = the largest candidate that fits in a row (the row itself where it is
+   a candidate). Tensors of one dim (norm gains, biases: sensitive, and a few thousand elements
+   a layer) keep B = 1.
 
 Why step 6: the fallback to B = 1 protects elements that differ in ways no block follows, but
 R cannot tell those from elements that do not differ at all: i.i.d. noise of one variance has
@@ -253,11 +255,14 @@ def column_heterogeneity(stats: TensorStats, numel: int) -> float:
 
 
 def row_length(shape: tuple[int, ...]) -> int:
-    """Elements per row: all dims but the first; a 1-D tensor is one row."""
+    """Elements per row (all dims but the first), for step 6; 0 for a tensor of fewer than two
+    dims: a norm's gain or a bias has no rows, and step 6 leaves it alone."""
+    if len(shape) < 2 or shape[0] == 0:
+        return 0
     n = 1
-    for s in shape:
+    for s in shape[1:]:
         n *= s
-    return n // shape[0] if len(shape) > 1 and shape[0] > 0 else n
+    return n
 
 
 def spread(stats: TensorStats, numel: int) -> float:
