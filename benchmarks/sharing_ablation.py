@@ -106,23 +106,52 @@ def main() -> None:
         }
         res = {j: f.result() for j, f in futs.items()}
     metric = "val_loss"
-    base = {s: res[("adamw", "", s)]["final"][metric] for s in range(args.seeds)}
+    seeds = range(args.seeds)
+    base = {s: res[("adamw", "", s)]["final"][metric] for s in seeds}
+    acc = "val_acc" in res[("adamw", "", 0)]["final"]
     print(
         f"task {args.task}, {args.optimizer}, scale {args.scale}, seeds 0..{args.seeds - 1}, "
         f"rounding of m: {args.rounding}"
     )
-    print("| config | val loss (mean) | vs AdamW, paired (mean ± std) | bytes/param |")
-    print("|---|---|---|---|")
-    print(f"| AdamW | {statistics.mean(base.values()):.4f} | | 8.00 |")
+    print(
+        "| config | val loss (mean) | vs AdamW, paired (mean ± std) | vs the first config, paired "
+        f"(mean ± std, t) |{' val acc vs AdamW (points) |' if acc else ''} bytes/param |"
+    )
+    print(f"|---|---|---|---|{'---|' if acc else ''}---|")
+    print(f"| AdamW | {statistics.mean(base.values()):.4f} | | |{' |' if acc else ''} 8.00 |")
+    first = None
     for c in args.configs:
-        vals = [res[(args.optimizer, c, s)]["final"][metric] for s in range(args.seeds)]
-        diffs = [100 * (v / base[s] - 1) for s, v in enumerate(vals)]
-        sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        vals = {s: res[(args.optimizer, c, s)]["final"][metric] for s in seeds}
+        first = first or vals
+        diffs = [100 * (vals[s] / base[s] - 1) for s in seeds]
+        rel = [100 * (vals[s] / first[s] - 1) for s in seeds]
         bpp = res[(args.optimizer, c, 0)]["bytes_per_param"]
-        print(
-            f"| {c or 'as chosen'} | {statistics.mean(vals):.4f} | "
-            f"{statistics.mean(diffs):+.2f} % ± {sd:.2f} | {bpp:.2f} |"
-        )
+        cells = [
+            c or "as chosen",
+            f"{statistics.mean(vals.values()):.4f}",
+            _mean_sd(diffs, "%"),
+            "" if vals is first else _mean_sd(rel, "%", t=True),
+        ]
+        if acc:
+            pts = [
+                100
+                * (
+                    res[(args.optimizer, c, s)]["final"]["val_acc"]
+                    - res[("adamw", "", s)]["final"]["val_acc"]
+                )
+                for s in seeds
+            ]
+            cells.append(_mean_sd(pts, "pt"))
+        print("| " + " | ".join(cells) + f" | {bpp:.2f} |")
+
+
+def _mean_sd(xs: list[float], unit: str, t: bool = False) -> str:
+    m = statistics.mean(xs)
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    out = f"{m:+.2f} {unit} ± {sd:.2f}"
+    if t and sd > 0:
+        out += f", t {m / (sd / len(xs) ** 0.5):+.1f}"
+    return out
 
 
 if __name__ == "__main__":

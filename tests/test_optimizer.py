@@ -435,3 +435,18 @@ def test_a_column_state_for_another_row_length_is_refused():
     fresh = Gefen(torch.nn.Linear(192, 64, bias=False).parameters())
     with pytest.raises(ValueError, match=r"block size -191 .*\(64, 192\).*-192"):
         fresh.load_state_dict(sd)
+
+
+def test_alike_weights_share_per_row_and_gains_do_not():
+    """Partition step 6 through the optimizer: a 3x3 convolution whose first gradient is noise
+    of one variance shares v per row (432 elements); a 1-D tensor of the same kind does not."""
+    conv = torch.zeros(48, 48, 3, 3, requires_grad=True)
+    gain = torch.zeros(5000, requires_grad=True)
+    opt = Gefen([conv, gain], bits=4)
+    conv.grad = torch.randn(conv.shape, generator=_gen(1))
+    gain.grad = torch.randn(gain.shape, generator=_gen(2))
+    opt.step()
+    rows = {r["shape"]: r for r in opt.memory_report()["tensors"]}
+    assert rows[(48, 48, 3, 3)]["block_sizes"] == [432]
+    assert rows[(48, 48, 3, 3)]["state_bytes"] < 0.6 * conv.numel()
+    assert rows[(5000,)]["block_sizes"] == [1]

@@ -121,6 +121,19 @@ def test_pieces_merge_to_the_whole_tensor_statistics(cuts):
     assert pt.choose_block_size(merged, x.numel()) == pt.choose_block_size(whole, x.numel()) == 96
 
 
+@pytest.mark.parametrize("cuts", [[0, 5000, 27648], [0, 1, 95, 13824, 27647, 27648]])
+def test_pieces_merge_to_the_same_alike_choice(cuts):
+    """Step 6 reads only additive moments, so ranks holding pieces choose as one process."""
+    x = torch.randn(288 * 96, generator=_gen(5))
+    cands = pt.candidate_block_sizes((288, 96))
+    parts = [pt.segment_stats(x[a:b], a, cands) for a, b in zip(cuts, cuts[1:], strict=False)]
+    merged = pt.merge_stats(parts[::-1])
+    assert pt.spread(merged, x.numel()) == pytest.approx(
+        pt.spread(pt.segment_stats(x, 0, cands), x.numel()), rel=1e-9
+    )
+    assert pt.choose_block_size(merged, x.numel(), 96) == 96
+
+
 def test_statistics_that_miss_elements_are_refused():
     x = _rows(288, 96).reshape(-1)
     cands = pt.candidate_block_sizes((288, 96))
