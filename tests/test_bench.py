@@ -232,6 +232,8 @@ def test_state_goal_is_not_met_by_default_when_no_momentum_peer_ran():
     g = report.goals({"gru": cells}, [tasks.TASKS["gru"]])
     assert not g["a_met"]
     assert all("not evaluated" in x["note"] for x in g["a"])
+    assert "(a) " in "\n".join(report._goal_lines(g))
+    assert "NOT EVALUATED" in "\n".join(report._goal_lines(g))
     cells["torchao_adamw4bit"] = dict(status="ok", bytes_per_param=1.1, val_loss=metric)
     g = report.goals({"gru": cells}, [tasks.TASKS["gru"]])
     assert {x["gefen"]: x["ok"] for x in g["a"]} == {"gefen4": True, "gefen8": False}

@@ -311,9 +311,16 @@ def markdown(
 
 
 def _goal_lines(g: dict) -> list[str]:
+    unseen = all("not evaluated" in x.get("note", "") for x in g["a"])
+    if g["a_met"]:
+        verdict = "MET"
+    elif unseen:
+        verdict = "NOT EVALUATED (no peer with a first moment ran)"
+    else:
+        verdict = "MISSED"
     L = [
         f"**(a) Gefen's state at or below every peer that keeps a first moment, on every task: "
-        f"{'MET' if g['a_met'] else 'MISSED'}.**",
+        f"{verdict}.**",
         "",
     ]
     for x in g["a"]:
