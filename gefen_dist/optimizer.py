@@ -378,8 +378,7 @@ class Gefen(Optimizer):
     def _initialize(self, pending: list[tuple[torch.Tensor, dict]]) -> None:
         """Partition newly seen parameters; learn the codebooks if this is the first time."""
         pieces: dict[Hashable, list[partition.TensorStats]] = {}
-        numel_of: dict[Hashable, int] = {}
-        row_of: dict[Hashable, int] = {}
+        seg_of: dict[Hashable, Segment] = {}
         plan = []
         for p, group in pending:
             segs = self._segments_for(p)
@@ -400,13 +399,15 @@ class Gefen(Optimizer):
                         "learn them from inf/NaN (check the loss, or the AMP grad scaler)"
                     )
                 pieces.setdefault(key, []).append(st)
-                numel_of[key] = seg.tensor_numel
-                row_of[key] = partition.row_length(seg.shape)
+                seg_of[key] = seg
                 keys.append(key)
             plan.append((p, group, segs, keys))
         merged = self._reduce_stats(pieces)
         block_of = {
-            k: partition.choose_block_size(s, numel_of[k], row_of[k]) for k, s in merged.items()
+            k: partition.choose_block_size(
+                s, seg_of[k].tensor_numel, partition.row_length(seg_of[k].shape)
+            )
+            for k, s in merged.items()
         }
 
         new_bits = sorted({g["bits"] for _, g, _, _ in plan} - set(self._codebooks))

@@ -76,18 +76,27 @@ ALIKE = 0.5
 _CHUNK = 1 << 18
 
 
+def row_length(shape: tuple[int, ...]) -> int:
+    """Elements per row (all dims but the first); 0 for a tensor of fewer than two dims, which
+    has no rows: step 6 leaves it alone, and the candidates treat it as one row."""
+    if len(shape) < 2 or shape[0] == 0:
+        return 0
+    n = 1
+    for s in shape[1:]:
+        n *= s
+    return n
+
+
 def column_period(shape: tuple[int, ...]) -> int:
     """The row length P whose columns are a candidate (step 5), or 0 when columns are not:
     fewer than MIN_BLOCK rows, or rows longer than MAX_BLOCK (a step's per-column scratch, like
     a block's, stays bounded)."""
     if len(shape) < 2 or shape[0] < MIN_BLOCK:
         return 0
-    n = 1
-    for s in shape:
-        n *= s
-    if n < MIN_SHARED_NUMEL or n // shape[0] > MAX_BLOCK:
+    row = row_length(shape)
+    if shape[0] * row < MIN_SHARED_NUMEL or row > MAX_BLOCK:
         return 0
-    return n // shape[0]
+    return row
 
 
 def candidate_block_sizes(shape: tuple[int, ...]) -> list[int]:
@@ -96,7 +105,7 @@ def candidate_block_sizes(shape: tuple[int, ...]) -> list[int]:
         n *= s
     if n < MIN_SHARED_NUMEL:
         return []
-    row = n // shape[0] if len(shape) > 1 and shape[0] > 0 else n
+    row = row_length(shape) or n  # a 1-D tensor is one row
     hi = min(MAX_BLOCK, n // 2)
     out = []
     for p in _divisors(n):
@@ -252,17 +261,6 @@ def column_heterogeneity(stats: TensorStats, numel: int) -> float:
     sq = float(stats.col_sums.square().sum())
     within = max(stats.s2 - sq / (n / period), 0.0) / (n - period)
     return within / total
-
-
-def row_length(shape: tuple[int, ...]) -> int:
-    """Elements per row (all dims but the first), for step 6; 0 for a tensor of fewer than two
-    dims: a norm's gain or a bias has no rows, and step 6 leaves it alone."""
-    if len(shape) < 2 or shape[0] == 0:
-        return 0
-    n = 1
-    for s in shape[1:]:
-        n *= s
-    return n
 
 
 def spread(stats: TensorStats, numel: int) -> float:
