@@ -351,14 +351,15 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
                 f"  rank {r['rank']}: optimizer state {r['state_bytes']:>10} B "
                 f"(AdamW would keep {r['adamw_bytes']:>10} B: {ratio:.3f}x)"
             )
-    if engine is None and accelerator is None:
-        dist.barrier()
-        dist.destroy_process_group()
-    elif accelerator is not None:
-        # accelerate asks every script to end so (it destroys the process group); without it a
-        # rank once aborted at exit in CI ("terminate called without an active exception")
+    # Every path ends by destroying its process group after a barrier: a rank that exits with
+    # gloo's threads still live can abort in teardown ("terminate called without an active
+    # exception"), as one accelerate rank and later one DeepSpeed rank did in CI.
+    if accelerator is not None:
         accelerator.wait_for_everyone()
         accelerator.end_training()
+    else:
+        dist.barrier()
+        dist.destroy_process_group()
     return result
 
 

@@ -268,6 +268,8 @@ def main():
             res[name] = run_one(name, run, ref if fp32 else None, ckpt)
         res["refused"] = refusals(ckpt)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -105,6 +105,8 @@ def main():
         mem = inner.memory_report()
         out["memory"] = [mem["state_bytes"], mem["adamw_bytes"]]
     (out_dir / f"rank{acc.process_index}.json").write_text(json.dumps(out))
+    acc.wait_for_everyone()
+    acc.end_training()
 
 
 if __name__ == "__main__":

@@ -84,6 +84,8 @@ def main():
         res[f"zero{stage}"] = run(stage)
     res["unknown_param"] = refused()
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -96,6 +96,9 @@ def main():
     rank = int(os.environ["RANK"])
     out = {"rank": rank, **info, "losses": losses, "weights": weights}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
