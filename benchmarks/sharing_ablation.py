@@ -16,6 +16,12 @@ codes to the nearest level and 4-bit codes stochastically, ``reference.requantiz
 rounding has a dead zone: an entry whose change in a step is under half a level spacing keeps
 its code, so a small m stops decaying when its gradient does; stochastic rounding decays it in
 expectation. Comparing the two says how much of a task's gap that dead zone is.
+
+``--second-moment factored`` is another diagnostic: every whole-tensor segment with blocks
+divides by v_ij = R_i C_j / mean(R), R being Gefen's own v per block and C an EMA of g^2 over the
+other axis (Adafactor's rank-1 fit), through the reference update. It measures what sharing
+over one axis costs against two factors (``benchmarks/sharing_drift.py`` shows the v spread each
+leaves); Gefen itself does not do this yet.
 """
 
 from __future__ import annotations
@@ -45,7 +51,61 @@ def _force_rounding(gopt, reference, rounding: str) -> None:
     gopt.Gefen._impl = lambda self, p, g: "reference"
 
 
-def _child(task: str, optimizer: str, seed: int, config: str, scale: float, rounding: str) -> None:
+def _force_factored(gopt, reference) -> None:
+    """Run Gefen through the reference update with v_ij = R_i C_j / mean(R) (Adafactor's rank-1
+    fit) on every whole-tensor segment with blocks: R is Gefen's own v per block (a row of the
+    (n / B, B) view, or a column for column blocks) and C an EMA of g^2 over the other axis, kept
+    here. A diagnostic of what sharing over one axis loses against two factors; not Gefen."""
+    import torch
+
+    from gefen_dist import codes
+
+    side: dict[int, torch.Tensor] = {}
+    shared_block, shared_column = gopt.block_update, gopt.column_update
+
+    def factored(p, g, st, h, levels, mids, bits, width, by_row):
+        rows = st.numel // width
+        g32 = g.float().view(rows, width)
+        m = levels[codes.read_codes(st.codes, 0, st.numel, bits).long()].view(rows, width)
+        m.mul_(st.absmax[:, None] if by_row else st.absmax[None, :]).lerp_(g32, 1.0 - h.beta1)
+        sq = g32.square()
+        st.v.mul_(h.beta2).add_(sq.mean(dim=1 if by_row else 0), alpha=1.0 - h.beta2)
+        other = side.setdefault(id(st), torch.zeros(width if by_row else rows))
+        other.mul_(h.beta2).add_(sq.mean(dim=0 if by_row else 1), alpha=1.0 - h.beta2)
+        r, c = (st.v, other) if by_row else (other, st.v)
+        total = st.v.mean()
+        v = r[:, None] * c[None, :] / torch.where(total > 0, total, torch.ones_like(total))
+        p2 = p.view(rows, width)
+        p2.mul_(1.0 - h.lr * h.weight_decay)
+        p2.addcdiv_(m, (v.sqrt() / h.bc2_sqrt).add_(h.eps), value=-h.step_size)
+        amax = m.abs().amax(dim=1 if by_row else 0)
+        st.absmax.copy_(amax)
+        scale = torch.where(amax > 0, amax, torch.ones_like(amax))
+        x = m / (scale[:, None] if by_row else scale[None, :])
+        q = reference.requantize(x, st.start, h.step, levels, mids, bits)
+        codes.write_codes(st.codes, 0, st.numel, q, bits)
+
+    def whole(p, st, width):
+        return st.start == 0 and p.dtype == torch.float32 and st.numel % width == 0
+
+    def block_update(p, g, st, h, levels, mids, bits):
+        b = st.block_size
+        if whole(p, st, b) and st.numel > b:
+            return factored(p, g, st, h, levels, mids, bits, b, True)
+        return shared_block(p, g, st, h, levels, mids, bits)
+
+    def column_update(p, g, st, h, levels, mids, bits):
+        if whole(p, st, -st.block_size):
+            return factored(p, g, st, h, levels, mids, bits, -st.block_size, False)
+        return shared_column(p, g, st, h, levels, mids, bits)
+
+    gopt.block_update, gopt.column_update = block_update, column_update
+    gopt.Gefen._impl = lambda self, p, g: "reference"
+
+
+def _child(
+    task: str, optimizer: str, seed: int, config: str, scale: float, rounding: str, v: str
+) -> None:
     sys.path.insert(0, str(ROOT))
     from gefen_dist import optimizer as gopt
     from gefen_dist import partition, reference
@@ -53,6 +113,8 @@ def _child(task: str, optimizer: str, seed: int, config: str, scale: float, roun
 
     if rounding != "as-built":
         _force_rounding(gopt, reference, rounding)
+    if v == "factored":
+        _force_factored(gopt, reference)
 
     spec = tasks.scaled(tasks.TASKS[task], scale)
     names = [n for n, p in tasks.build(spec, seed).model.named_parameters() if p.requires_grad]
@@ -76,17 +138,18 @@ def _child(task: str, optimizer: str, seed: int, config: str, scale: float, roun
     )
 
 
-def _run(task, optimizer, seed, config, scale, rounding) -> dict:
+def _run(task, optimizer, seed, config, scale, rounding, v) -> dict:
     cmd = [sys.executable, __file__, "--child", task, optimizer, str(seed), config, str(scale)]
-    cmd.append(rounding if optimizer.startswith("gefen") else "as-built")
+    gefen = optimizer.startswith("gefen")
+    cmd += [rounding if gefen else "as-built", v if gefen else "shared"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        task, optimizer, seed, config, scale, rounding = sys.argv[2:8]
-        _child(task, optimizer, int(seed), config, float(scale), rounding)
+        task, optimizer, seed, config, scale, rounding, v = sys.argv[2:9]
+        _child(task, optimizer, int(seed), config, float(scale), rounding, v)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", default="llama")
@@ -96,12 +159,20 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--rounding", choices=("as-built", "nearest", "stochastic"), default="as-built")
+    ap.add_argument(
+        "--second-moment",
+        choices=("shared", "factored"),
+        default="shared",
+        help="factored: a diagnostic, v = row factor x column factor (see _force_factored)",
+    )
     args = ap.parse_args()
     jobs = [("adamw", "", s) for s in range(args.seeds)]
     jobs += [(args.optimizer, c, s) for c in args.configs for s in range(args.seeds)]
     with ThreadPoolExecutor(args.jobs) as pool:
         futs = {
-            j: pool.submit(_run, args.task, j[0], j[2], j[1], args.scale, args.rounding)
+            j: pool.submit(
+                _run, args.task, j[0], j[2], j[1], args.scale, args.rounding, args.second_moment
+            )
             for j in jobs
         }
         res = {j: f.result() for j, f in futs.items()}
@@ -111,7 +182,7 @@ def main() -> None:
     acc = "val_acc" in res[("adamw", "", 0)]["final"]
     print(
         f"task {args.task}, {args.optimizer}, scale {args.scale}, seeds 0..{args.seeds - 1}, "
-        f"rounding of m: {args.rounding}"
+        f"rounding of m: {args.rounding}, second moment: {args.second_moment}"
     )
     print(
         "| config | val loss (mean) | vs AdamW, paired (mean ± std) | vs the first config, paired "

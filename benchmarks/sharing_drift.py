@@ -12,7 +12,9 @@ measures on AdamW's own state what Gefen's choices would cost there:
   update direction that quantising the first moment alone causes.
 
 Both are printed for the blocks Gefen chose and, as yardsticks, for rows (a linear layer's
-output neuron, Adam-mini's rule) and columns where the tensor has them.
+output neuron, Adam-mini's rule) and columns where the tensor has them; the v spread also for a
+rank-1 fit, row mean x column mean / mean (Adafactor's factored v), which is what sharing over
+one axis cannot represent: the rows' and the columns' scales at once.
 
     python benchmarks/sharing_drift.py --task gru --steps 1,50,200,440 --bits 8
 """
@@ -44,6 +46,14 @@ def blocks(x: torch.Tensor, b: int) -> torch.Tensor:
 def v_spread(v: torch.Tensor, b: int) -> float:
     vb = blocks(v.double().clamp_min(1e-30), b)
     return float((0.5 * (vb / vb.mean(dim=1, keepdim=True)).log()).pow(2).mean().sqrt())
+
+
+def factored_spread(v: torch.Tensor) -> float:
+    """v spread against Adafactor's rank-1 fit (row mean x column mean / mean): how much a
+    per-row and a per-column factor together would leave, for a 2-D view of the tensor."""
+    v2 = v.double().clamp_min(1e-30).reshape(v.shape[0], -1)
+    fit = v2.mean(dim=1, keepdim=True) * v2.mean(dim=0, keepdim=True) / v2.mean()
+    return float((0.5 * (v2 / fit).log()).pow(2).mean().sqrt())
 
 
 def m_error(m: torch.Tensor, v: torch.Tensor, b: int, levels: torch.Tensor, eps: float) -> float:
@@ -119,6 +129,17 @@ def main() -> None:
                         f"{label} {'col' + str(-bb) if bb < 0 else bb}",
                         v_spread(v, bb),
                         m_error(m, v, bb, levels, opt.param_groups[0]["eps"]),
+                    )
+                )
+            if row:
+                rows_out.append(
+                    (
+                        step,
+                        name,
+                        tuple(p.shape),
+                        "row x column (rank 1)",
+                        factored_spread(v),
+                        math.nan,
                     )
                 )
     print(f"task {a.task}, seed {a.seed}, scale {a.scale} ({h.steps} steps), {a.bits}-bit codebook")
