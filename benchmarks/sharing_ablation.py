@@ -51,7 +51,7 @@ def _force_rounding(gopt, reference, rounding: str) -> None:
     gopt.Gefen._impl = lambda self, p, g: "reference"
 
 
-def _force_factored(gopt, reference) -> None:
+def _force_factored(gopt, reference) -> dict:
     """Run Gefen through the reference update with v_ij = R_i C_j / mean(R) (Adafactor's rank-1
     fit) on every whole-tensor segment with blocks: R is Gefen's own v per block (a row of the
     (n / B, B) view, or a column for column blocks) and C an EMA of g^2 over the other axis, kept
@@ -101,6 +101,7 @@ def _force_factored(gopt, reference) -> None:
 
     gopt.block_update, gopt.column_update = block_update, column_update
     gopt.Gefen._impl = lambda self, p, g: "reference"
+    return side  # the other axis's factors, by segment: state Gefen would have to keep
 
 
 def _child(
@@ -113,8 +114,7 @@ def _child(
 
     if rounding != "as-built":
         _force_rounding(gopt, reference, rounding)
-    if v == "factored":
-        _force_factored(gopt, reference)
+    side = _force_factored(gopt, reference) if v == "factored" else {}
 
     spec = tasks.scaled(tasks.TASKS[task], scale)
     names = [n for n, p in tasks.build(spec, seed).model.named_parameters() if p.requires_grad]
@@ -133,8 +133,16 @@ def _child(
 
     gopt.partition.choose_block_size = override
     rec = suite.run_one(spec, optimizer, seed)
+    extra = 4 * sum(t.numel() for t in side.values()) / rec["params"]
     print(
-        json.dumps(dict(final=rec["final"], bytes_per_param=rec["bytes_per_param"], blocks=calls))
+        json.dumps(
+            dict(
+                final=rec["final"],
+                bytes_per_param=rec["bytes_per_param"],
+                factor_bytes_per_param=extra,
+                blocks=calls,
+            )
+        )
     )
 
 
@@ -214,6 +222,15 @@ def main() -> None:
             ]
             cells.append(_mean_sd(pts, "pt"))
         print("| " + " | ".join(cells) + f" | {bpp:.2f} |")
+    if args.second_moment == "factored":
+        extra = {
+            c or "as chosen": res[(args.optimizer, c, 0)]["factor_bytes_per_param"]
+            for c in args.configs
+        }
+        print(
+            "the factors C over the other axis, not in bytes/param above: "
+            + ", ".join(f"{c} +{x:.3f} bytes/param" for c, x in extra.items())
+        )
 
 
 def _mean_sd(xs: list[float], unit: str, t: bool = False) -> str:

@@ -147,6 +147,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for step, name, shape, label, vs, me in rows_out:
         print(f"| {step} | {name} | {shape} | {label} | {vs:.3f} | {me:.3f} |")
+    print("\nmean v spread over the tensors with rows, per step:")
+    print("| step | Gefen's blocks | rank-1 fit |")
+    print("|---|---|---|")
+    for step in at:
+        mine = [r for r in rows_out if r[0] == step and len(r[2]) >= 2]
+        gefen = [r[4] for r in mine if r[3].startswith("Gefen")]
+        rank1 = [r[4] for r in mine if r[3].startswith("row x column")]
+        if gefen and rank1:
+            print(f"| {step} | {sum(gefen) / len(gefen):.3f} | {sum(rank1) / len(rank1):.3f} |")
     worst = max(rows_out, key=lambda r: r[4]) if rows_out else None
     if worst:
         print(
