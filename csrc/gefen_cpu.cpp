@@ -257,12 +257,11 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
   }
 }
 
-// m = lerp(level * old, g), the parameter step and max |m| of one block's n elements; the
-// denominator is ``denom``, or sqrt(v) * fac[i] + eps with kFac (reference.cross_factor)
-template <int PT, int GT, bool kLow, bool kFac>
+// m = lerp(level * old, g), the parameter step and max |m| of one block's n elements
+template <int PT, int GT, bool kLow>
 inline float move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
                   const typename Elem<GT>::T* __restrict g, int64_t n, float old, float denom,
-                  float sv, const float* __restrict fac, const Hyper& h) {
+                  const Hyper& h) {
   const float w1 = 1.0f - h.w;
   float amax = 0.0f;
 #pragma omp simd reduction(max : amax)
@@ -270,8 +269,7 @@ inline float move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
     const float m = lerp<kLow>(buf[i] * old, Elem<GT>::get(g[i]), h.w, w1);
     buf[i] = m;
     const float pi = Elem<PT>::get(p[i]) * h.decay;
-    const float d = kFac ? sv * fac[i] + h.eps : denom;
-    p[i] = Elem<PT>::put(pi + h.neg_step * (m / d));
+    p[i] = Elem<PT>::put(pi + h.neg_step * (m / denom));
     amax = std::max(amax, std::fabs(m));
   }
   return amax;
@@ -281,7 +279,7 @@ template <int PT, int GT>
 void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax, float* v,
                const float* levels, const float* mp, int n_mids, const int32_t* table,
                int64_t start, int64_t numel, int64_t block, bool four, uint32_t key,
-               const Hyper& h, const float* pair4, const float* fac, float* buf, int32_t* idx) {
+               const Hyper& h, const float* pair4, float* buf, int32_t* idx) {
   const int64_t b0 = start / block;
   const int64_t lo = std::max((b0 + j) * block, start) - start;
   const int64_t hi = std::min((b0 + j + 1) * block, start + numel) - start;
@@ -297,19 +295,11 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
   const float mean = static_cast<float>(s / static_cast<double>(n));
   const float vj = v[j] * h.beta2 + h.a2 * mean;
   v[j] = vj;
-  const float sv = std::sqrt(vj);
-  const float denom = sv / h.bc2 + h.eps;
+  const float denom = std::sqrt(vj) / h.bc2 + h.eps;
   const float old = absmax[j];
   decode(codes, lo, hi, four, levels, pair4, buf);
-  float amax;
-  if (fac) {
-    const float* f = fac + (start + lo) % block;
-    amax = h.w < 0.5f ? move<PT, GT, true, true>(buf, pb, gb, n, old, denom, sv, f, h)
-                      : move<PT, GT, false, true>(buf, pb, gb, n, old, denom, sv, f, h);
-  } else {
-    amax = h.w < 0.5f ? move<PT, GT, true, false>(buf, pb, gb, n, old, denom, sv, nullptr, h)
-                      : move<PT, GT, false, false>(buf, pb, gb, n, old, denom, sv, nullptr, h);
-  }
+  const float amax = h.w < 0.5f ? move<PT, GT, true>(buf, pb, gb, n, old, denom, h)
+                                : move<PT, GT, false>(buf, pb, gb, n, old, denom, h);
   absmax[j] = amax;
   const float scale = amax > 0.0f ? amax : 1.0f;
   requantize_range<false>(buf, nullptr, scale, n, four, levels, mp, n_mids, table, start + lo, key,
@@ -338,19 +328,17 @@ inline void column_stats(const float* __restrict buf, const typename Elem<GT>::T
 }
 
 // Pass 2: the same m again, into buf, and the parameter step with each column's denominator
-// (with kFac, ``denom`` holds sqrt(v) per column and the row's factor ``fr`` completes it)
-template <int PT, int GT, bool kLow, bool kFac>
+template <int PT, int GT, bool kLow>
 inline void column_move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
                         const typename Elem<GT>::T* __restrict g, const float* __restrict absmax,
-                        const float* __restrict denom, float fr, int64_t n, const Hyper& h) {
+                        const float* __restrict denom, int64_t n, const Hyper& h) {
   const float w1 = 1.0f - h.w;
 #pragma omp simd
   for (int64_t k = 0; k < n; ++k) {
     const float m = lerp<kLow>(buf[k] * absmax[k], Elem<GT>::get(g[k]), h.w, w1);
     buf[k] = m;
     const float pi = Elem<PT>::get(p[k]) * h.decay;
-    const float d = kFac ? denom[k] * fr + h.eps : denom[k];
-    p[k] = Elem<PT>::put(pi + h.neg_step * (m / d));
+    p[k] = Elem<PT>::put(pi + h.neg_step * (m / denom[k]));
   }
 }
 
@@ -365,7 +353,7 @@ template <int PT, int GT>
 void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
              const float* levels, const float* mp, int n_mids, const int32_t* table,
              int64_t start, int64_t numel, int64_t period, bool four, uint32_t key,
-             const Hyper& h, const float* pair4, const float* fac, int threads) {
+             const Hyper& h, const float* pair4, int threads) {
   auto* pt = static_cast<typename Elem<PT>::T*>(p);
   const auto* gt = static_cast<const typename Elem<GT>::T*>(g);
   const int64_t nb = std::min(numel, period);
@@ -408,8 +396,7 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
     const float mean = static_cast<float>(total / static_cast<double>(count));
     const float vk = v[k] * h.beta2 + h.a2 * mean;
     v[k] = vk;
-    const float sv = std::sqrt(vk);
-    denom[k] = fac ? sv : sv / h.bc2 + h.eps;
+    denom[k] = std::sqrt(vk) / h.bc2 + h.eps;
     amax[k] = mx;
     scale[k] = mx > 0.0f ? mx : 1.0f;
   }
@@ -422,15 +409,10 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
       for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
         const int64_t lo = r * period, hi = std::min(lo + period, numel), w = hi - lo;
         decode(codes, lo, hi, four, levels, pair4, buf.data());
-        const float* d = denom.data();
-        if (fac && h.w < 0.5f)
-          column_move<PT, GT, true, true>(buf.data(), pt + lo, gt + lo, absmax, d, fac[r], w, h);
-        else if (fac)
-          column_move<PT, GT, false, true>(buf.data(), pt + lo, gt + lo, absmax, d, fac[r], w, h);
-        else if (h.w < 0.5f)
-          column_move<PT, GT, true, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h);
+        if (h.w < 0.5f)
+          column_move<PT, GT, true>(buf.data(), pt + lo, gt + lo, absmax, denom.data(), w, h);
         else
-          column_move<PT, GT, false, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h);
+          column_move<PT, GT, false>(buf.data(), pt + lo, gt + lo, absmax, denom.data(), w, h);
         requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, levels, mp, n_mids, table,
                             start + lo, key,
                             idx.data());
@@ -472,18 +454,18 @@ void dense_range(void* p, const void* g, float* m, float* v, int64_t lo, int64_t
 // The segment table's columns, as csrc/gefen_cuda.h (one table format for both backends).
 enum Meta : int {
   kP = 0, kG, kCodes, kAbsmax, kV, kLevels, kMids, kStart, kNumel, kBlock, kBits, kPDtype,
-  kGDtype, kExpAvg, kExpAvgSq, kNLevels, kStepKey, kFactor, kMetaCols
+  kGDtype, kExpAvg, kExpAvgSq, kNLevels, kStepKey, kMetaCols
 };
 constexpr int kHypCols = 8;
 constexpr int64_t kDenseTile = 16384;
 
 using BlockFn = void (*)(int64_t, void*, const void*, uint8_t*, float*, float*, const float*,
                          const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
-                         uint32_t, const Hyper&, const float*, const float*, float*, int32_t*);
+                         uint32_t, const Hyper&, const float*, float*, int32_t*);
 using DenseFn = void (*)(void*, const void*, float*, float*, int64_t, int64_t, const Hyper&);
 using ColumnFn = void (*)(void*, const void*, uint8_t*, float*, float*, const float*,
                           const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
-                          uint32_t, const Hyper&, const float*, const float*, int);
+                          uint32_t, const Hyper&, const float*, int);
 
 struct Kernels {
   BlockFn block;
@@ -606,7 +588,7 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
                reinterpret_cast<float*>(m[kAbsmax]), reinterpret_cast<float*>(m[kV]),
                reinterpret_cast<const float*>(m[kLevels]), r.mp.data(), r.n_mids, lut_of(s),
                m[kStart], m[kNumel], m[kBlock], r.four, static_cast<uint32_t>(m[kStepKey]), r.h,
-               r.pair4.data(), reinterpret_cast<const float*>(m[kFactor]), buf, idx);
+               r.pair4.data(), buf, idx);
   };
 #pragma omp parallel num_threads(std::max(threads, 1)) if (threads > 1 && total > 1)
   {
@@ -632,8 +614,7 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
                  reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
                  reinterpret_cast<float*>(m[kV]), reinterpret_cast<const float*>(m[kLevels]),
                  r.mp.data(), r.n_mids, lut_of(s), m[kStart], m[kNumel], -m[kBlock], r.four,
-                 static_cast<uint32_t>(m[kStepKey]), r.h, r.pair4.data(),
-                 reinterpret_cast<const float*>(m[kFactor]), threads);
+                 static_cast<uint32_t>(m[kStepKey]), r.h, r.pair4.data(), threads);
   }
   return 0;
 }

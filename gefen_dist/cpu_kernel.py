@@ -25,9 +25,7 @@ import numpy as np
 import torch
 
 from .codes import code_table, step_key
-from .reference import Hyper, SegmentState, cross_factor
-
-_NO_FACTOR = np.zeros(0, dtype=np.float32)  # a segment without v_cross (numba wants one type)
+from .reference import Hyper, SegmentState
 
 
 @numba.njit(cache=True, inline="always")
@@ -103,7 +101,7 @@ def _code(x, levels, mids, lut, index, key, four):
 
 
 @numba.njit(cache=True)
-def _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h, fac):
+def _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h):
     b1, w, b2, a2, decay, neg_step, bc2, eps, key = h
     n = p.shape[0]
     b0 = start // block
@@ -115,17 +113,13 @@ def _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four,
     mean = np.float32(s / (hi - lo))
     vj = v[j] * b2 + a2 * mean
     v[j] = vj
-    sv = np.float32(math.sqrt(vj))
-    denom = sv / bc2 + eps
-    factored = fac.shape[0] > 0
-    pos = (start + lo) % block - lo
+    denom = np.float32(math.sqrt(vj)) / bc2 + eps
     old = absmax[j]
     amax = np.float32(0.0)
     for i in range(lo, hi):
         m = levels[_get(codes, i, four)] * old
         m = m + w * (g[i] - m)
-        d = sv * fac[pos + i] + eps if factored else denom
-        p[i] = p[i] * decay + neg_step * m / d
+        p[i] = p[i] * decay + neg_step * m / denom
         amax = max(amax, abs(m))
     absmax[j] = amax
     scale = amax if amax > 0 else np.float32(1.0)
@@ -136,25 +130,24 @@ def _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four,
 
 
 @numba.njit(cache=True, parallel=True)
-def _blocks_parallel(p, g, codes, absmax, v, levels, mids, lut, start, block, four, h, fac):
+def _blocks_parallel(p, g, codes, absmax, v, levels, mids, lut, start, block, four, h):
     for j in numba.prange(absmax.shape[0]):
-        _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h, fac)
+        _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h)
 
 
 @numba.njit(cache=True)
-def _blocks_serial(p, g, codes, absmax, v, levels, mids, lut, start, block, four, h, fac):
+def _blocks_serial(p, g, codes, absmax, v, levels, mids, lut, start, block, four, h):
     for j in range(absmax.shape[0]):
-        _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h, fac)
+        _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h)
 
 
 @numba.njit(cache=True)
 def _columns(
-    p, g, codes, absmax, v, levels, mids, lut, start, period, four, h, sum_sq, amax, denom, fac
+    p, g, codes, absmax, v, levels, mids, lut, start, period, four, h, sum_sq, amax, denom
 ):
     b1, w, b2, a2, decay, neg_step, bc2, eps, key = h
     n = p.shape[0]
     nb = absmax.shape[0]
-    factored = fac.shape[0] > 0
     k = 0
     for i in range(n):
         m = levels[_get(codes, i, four)] * absmax[k]
@@ -168,20 +161,17 @@ def _columns(
         count = n // period + (1 if k < n % period else 0)
         vk = v[k] * b2 + a2 * np.float32(sum_sq[k] / count)
         v[k] = vk
-        sv = np.float32(math.sqrt(vk))
-        denom[k] = sv if factored else sv / bc2 + eps  # factored: sqrt(v), times the row's factor
-    k = r = 0
+        denom[k] = np.float32(math.sqrt(vk)) / bc2 + eps
+    k = 0
     for i in range(n):
         m = levels[_get(codes, i, four)] * absmax[k]
         m = m + w * (g[i] - m)
-        d = denom[k] * fac[r] + eps if factored else denom[k]
-        p[i] = p[i] * decay + neg_step * m / d
+        p[i] = p[i] * decay + neg_step * m / denom[k]
         scale = amax[k] if amax[k] > 0 else np.float32(1.0)
         _put(codes, i, _code(m / scale, levels, mids, lut, start + i, key, four), four)
         k += 1
         if k == period:
             k = 0
-            r += 1
     for k in range(nb):
         absmax[k] = amax[k]
 
@@ -216,7 +206,6 @@ def column_update(
 ) -> None:
     """Same contract as ``reference.column_update`` for fp32 CPU tensors."""
     nb = st.absmax.numel()
-    f = cross_factor(g, st, h)
     _columns(
         p.detach().numpy(),
         g.detach().numpy(),
@@ -233,7 +222,6 @@ def column_update(
         np.zeros(nb, dtype=np.float64),
         np.zeros(nb, dtype=np.float32),
         np.zeros(nb, dtype=np.float32),
-        _NO_FACTOR if f is None else f.numpy(),
     )
 
 
@@ -247,7 +235,6 @@ def block_update(
     bits: int,
 ) -> None:
     """Same contract as ``reference.block_update`` for fp32 CPU tensors."""
-    f = cross_factor(g, st, h)
     hyper = _hyper(h)
     four = bits == 4
     args = (
@@ -263,7 +250,6 @@ def block_update(
         st.block_size,
         four,
         hyper,
-        _NO_FACTOR if f is None else f.numpy(),
     )
     if four and (st.block_size % 2 or st.start % 2):
         _blocks_serial(*args)

@@ -26,7 +26,6 @@ import torch
 
 from . import segment_table as table
 from .codes import code_table
-from .reference import cross_factor
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "gefen_cpu.cpp"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
@@ -109,14 +108,12 @@ def step(work: list[tuple]) -> None:
     if not work:
         return
     lib = load()
-    rows, hyps, luts, factors = [], [], [], []
+    rows, hyps, luts = [], [], []
     cells = lib.gefen_cpu_lut_cells()
     for p, g, st, h, levels, mids, bits in work:
         if st.numel == 0:
             continue
-        f = cross_factor(g, st, h) if st.block_size != 1 else None
-        factors.append(f)  # alive until the call returns
-        rows.append(table.row(p, g, st, levels, mids, bits, h.step, f))
+        rows.append(table.row(p, g, st, levels, mids, bits, h.step))
         hyps.append(table.hyper_row(h))
         blocked8 = st.block_size != 1 and bits == 8
         luts.append(code_table(mids, cells).data_ptr() if blocked8 else 0)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import segment_table as table
-from .reference import Hyper, SegmentState, cross_factor
+from .reference import Hyper, SegmentState
 from .segments import num_blocks
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -110,7 +110,7 @@ def _verified(device: torch.device) -> bool:
 def _self_check(device: torch.device) -> None:
     from . import codebook as cb
     from .codes import midpoints
-    from .reference import block_update, column_update, cross_length, dense_update
+    from .reference import block_update, column_update, dense_update
 
     gen = torch.Generator().manual_seed(0)
     for bits, dtype, start, numel, block in [
@@ -136,7 +136,6 @@ def _self_check(device: torch.device) -> None:
                 )
                 st.absmax = torch.zeros(nb, device=device)
                 st.v = torch.zeros(nb, device=device)
-                st.v_cross = torch.zeros(cross_length(start, numel, block), device=device)
             sts.append(st)
             ps.append(p0.clone())
         for t in range(1, 4):
@@ -154,8 +153,7 @@ def _self_check(device: torch.device) -> None:
         err = ((ps[1].float() - ps[0].float()).abs() / ps[0].float().abs().clamp_min(1e-3)).max()
         if not err <= tol:
             raise RuntimeError(f"parameters differ by {err.item():.3g} (bits={bits}, B={block})")
-        pairs = [("v", 1e-5), ("absmax", 1e-5), ("v_cross", 1e-5)]
-        pairs = pairs if block != 1 else [("exp_avg_sq", 1e-5)]
+        pairs = [("v", 1e-5), ("absmax", 1e-5)] if block != 1 else [("exp_avg_sq", 1e-5)]
         for k, rtol in pairs:
             a, b = getattr(sts[1], k), getattr(sts[0], k)
             if not ((a - b).abs() <= rtol * b.abs() + 1e-30).all():
@@ -197,7 +195,6 @@ def step(work: list[tuple]) -> None:
     }
     tile = ext.DENSE_TILE
     columns = []
-    factors = []  # this step's cross factors, alive until the launches are queued
     for p, g, st, h, levels, mids, bits in work:
         if st.numel == 0:
             continue
@@ -212,9 +209,7 @@ def step(work: list[tuple]) -> None:
             key = "wide" if st.block_size >= WIDE else "narrow"
             count = num_blocks(st.start, st.numel, st.block_size)
         rows, hyps, counts = groups[key]
-        f = cross_factor(g, st, h) if st.block_size != 1 else None
-        rows.append(table.row(p, g, st, levels, mids, bits, h.step, f))
-        factors.append(f)
+        rows.append(table.row(p, g, st, levels, mids, bits, h.step))
         hyps.append(table.hyper_row(h))
         counts.append(count)
     with torch.cuda.device(device):
@@ -255,9 +250,8 @@ def _column_step(
     chunks = -(-rows // per_chunk)
     device = p.device
     with torch.cuda.device(device):
-        f = cross_factor(g, st, h)
         meta, hyp, _, _ = _table(
-            [table.row(p, g, st, levels, mids, bits, h.step, f)], [table.hyper_row(h)], [0], device
+            [table.row(p, g, st, levels, mids, bits, h.step)], [table.hyper_row(h)], [0], device
         )
         part_sum = torch.empty(chunks * nb, dtype=torch.float64, device=device)
         part_max = torch.empty(chunks * nb, dtype=torch.float32, device=device)

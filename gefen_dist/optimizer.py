@@ -450,9 +450,8 @@ class Gefen(Optimizer):
             bits = saved.get("bits", group["bits"])
             for pid, p in zip(saved["params"], group["params"], strict=True):
                 if pid in saved_state:
-                    saved_p = state.upgrade(saved_state[pid])
-                    state.check_loaded(saved_p, opt._segments_for(p), bits, opt._name(p))
-                    install.append((p, saved_p))
+                    state.check_loaded(saved_state[pid], opt._segments_for(p), bits, opt._name(p))
+                    install.append((p, saved_state[pid]))
         opt._pending_install = install
         return {**state_dict, "state": {}}
 

@@ -14,23 +14,6 @@ formulas with the block's elements strided by P; as v and the new absmax of a co
 its rows before any parameter or code can be written, ``column_update`` reads the segment twice,
 recomputing m in the second pass (the same fp32 operations, so the same m) instead of storing it.
 
-The second moment is factored (``cross_factor``): a segment that holds more than one block also
-keeps ``v_cross``, one v per position across its blocks (position i mod B of contiguous blocks, so
-column j of the (n / B, B) view; the row of the (rows, P) view for column blocks), an EMA of the
-mean g^2 over the blocks at that position. Element (block b, position j) then divides by
-
-    sqrt(v_b * c_j) / sqrt(1 - b2^t) + eps,   c_j = max(v_cross_j / mean(v_cross), CROSS_FLOOR)
-
-Adafactor's rank-1 fit of v, with Gefen's block v as one factor. Why: one v per block cannot follow
-how g^2 varies across a block (an input feature's scale, along every row), and that cost 3-7 %
-validation loss on the suite's language models (README, "One-axis sharing"); c_j adds ~0.01 byte
-per parameter. c is a ratio, so it needs no bias correction, and a v_cross that starts from zeros
-(a checkpoint saved before it existed) is exact again after one step. CROSS_FLOOR bounds how far a
-position that has seen (almost) no gradient can shrink its denominator: there the quantised m
-keeps an error of up to a level spacing times the block's absmax, which an exact m would not have,
-and 1 / sqrt(CROSS_FLOOR) = 10 caps how much c can amplify it. The factor is per segment, so it
-needs no communication: an FSDP/ZeRO rank's piece estimates c from the blocks it holds.
-
 The parameter moves with the unquantised m of this step; only what is stored is quantised, so the
 quantisation error enters once per step instead of compounding through the update. Segments with
 B = 1 keep exact AdamW state (fp32 m and v) and follow torch.optim.AdamW's operations.
@@ -45,9 +28,9 @@ and a resumed run continues exactly. Measured: ``benchmarks/sharing_ablation.py 
 (README, "Quality").
 
 Memory: work goes chunk by chunk. A chunk holds whole blocks and at most max(CHUNK, B) elements,
-and the temporaries of one chunk are at most ~44 bytes per element (fp32 copies of g, m, p, a
-factored denominator and the int64 indices that gather and bucketize produce), so a step allocates
-at most 44 * max(CHUNK, MAX_BLOCK) bytes = 5.5 MiB beyond the state, whatever the parameter's size.
+and the temporaries of one chunk are at most ~40 bytes per element (fp32 copies of g, m, p and the
+int64 indices that gather and bucketize produce), so a step allocates at most
+40 * max(CHUNK, MAX_BLOCK) bytes = 5 MiB beyond the state, whatever the parameter's size.
 Maths is fp32 for fp32, bf16 and fp16 parameters and gradients.
 """
 
@@ -62,8 +45,6 @@ from .codes import quantize, read_codes, stochastic_quantize, uniforms, write_co
 from .segments import block_chunks, column_chunks
 
 CHUNK = 1 << 17
-CROSS_FLOOR = 1e-2
-CROSS_CHUNK = 1 << 16
 
 
 @dataclass
@@ -96,76 +77,6 @@ class SegmentState:
     v: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
-    v_cross: torch.Tensor | None = None
-
-
-def cross_length(start: int, numel: int, block_size: int) -> int:
-    """Entries of ``v_cross`` a segment keeps: B for contiguous blocks, one per row of the
-    (rows, P) view for column blocks, none for B = 1 or a segment that holds a single block
-    (there c would be the block's own v, and the factor would only duplicate it)."""
-    del start  # positions are counted in the tensor's coordinates, all B of them
-    if block_size > 1:
-        return block_size if numel > block_size else 0
-    if block_size < 0:
-        period = -block_size
-        return -(-numel // period) if numel > period else 0
-    return 0
-
-
-def cross_factor(g: torch.Tensor, st: SegmentState, h: Hyper) -> torch.Tensor | None:
-    """Update ``st.v_cross`` with this step's g and return sqrt(c) / sqrt(1 - b2^t) per entry
-    (module docstring), or None for a segment without the factor. Every backend calls this
-    before its update, so they all see the same factor."""
-    if st.v_cross is None or st.v_cross.numel() == 0:
-        return None
-    if st.block_size > 0:
-        mean_sq = _position_mean_sq(g, st.start, st.numel, st.block_size)
-    else:
-        mean_sq = _row_mean_sq(g, st.numel, -st.block_size)
-    st.v_cross.mul_(h.beta2).add_(mean_sq, alpha=1.0 - h.beta2)
-    total = st.v_cross.mean()
-    c = st.v_cross / torch.where(total > 0, total, torch.ones_like(total))
-    return c.clamp_(min=CROSS_FLOOR).sqrt_().div_(h.bc2_sqrt)
-
-
-def _position_mean_sq(g: torch.Tensor, start: int, numel: int, block: int) -> torch.Tensor:
-    """Mean g^2 at each position (tensor index mod ``block``) over the segment's elements, summed
-    in fp64 over fixed chunks of CROSS_CHUNK (not CHUNK: the update's chunking must not change
-    the result)."""
-    sums = torch.zeros(block, dtype=torch.float64, device=g.device)
-    counts = torch.zeros(block, dtype=torch.float64, device=g.device)
-    head = min((-start) % block, numel)
-    if head:
-        x = g[:head].double()
-        sums[block - head :] += x * x
-        counts[block - head :] += 1.0
-    whole = (numel - head) // block
-    rows = max(1, CROSS_CHUNK // block)
-    for r0 in range(0, whole, rows):
-        r1 = min(r0 + rows, whole)
-        x = g[head + r0 * block : head + r1 * block].double().view(-1, block)
-        sums += x.square().sum(dim=0)
-    counts += float(whole)
-    tail = numel - head - whole * block
-    if tail:
-        x = g[numel - tail :].double()
-        sums[:tail] += x * x
-        counts[:tail] += 1.0
-    return (sums / counts).float()
-
-
-def _row_mean_sq(g: torch.Tensor, numel: int, period: int) -> torch.Tensor:
-    """Mean g^2 of each row of the segment's (rows, period) view, the last row maybe short
-    (fp64 sums, as ``_position_mean_sq``)."""
-    full = numel // period
-    out = torch.empty(-(-numel // period), dtype=torch.float64, device=g.device)
-    rows = max(1, CROSS_CHUNK // period)
-    for r0 in range(0, full, rows):
-        r1 = min(r0 + rows, full)
-        out[r0:r1] = g[r0 * period : r1 * period].double().view(-1, period).square().mean(dim=1)
-    if numel > full * period:
-        out[full] = g[full * period :].double().square().mean()
-    return out.float()
 
 
 def dense_update(p: torch.Tensor, g: torch.Tensor, st: SegmentState, h: Hyper) -> None:
@@ -193,11 +104,8 @@ def block_update(
     mids: torch.Tensor,
     bits: int,
 ) -> None:
-    """Block-v, quantised-m update of one segment (flat views ``p`` and ``g`` of its elements)."""
-    f = cross_factor(g, st, h)
-    b = st.block_size
-    for c in block_chunks(st.start, st.numel, b, CHUNK):
-        pos = (st.start + c.elem) % b
+    """Shared-v, quantised-m update of one segment (flat views ``p`` and ``g`` of its elements)."""
+    for c in block_chunks(st.start, st.numel, st.block_size, CHUNK):
         _update_blocks(
             p[c.elem : c.end].view(c.rows, c.length),
             g[c.elem : c.end].view(c.rows, c.length),
@@ -209,11 +117,10 @@ def block_update(
             levels,
             mids,
             bits,
-            None if f is None else f[pos : pos + c.length],
         )
 
 
-def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
+def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits) -> None:
     g32 = g.float()
     absmax, v = st.absmax[blocks], st.v[blocks]
     m = levels[read_codes(st.codes, a, b, bits).long()].view_as(g32).mul_(absmax[:, None])
@@ -221,11 +128,8 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     v.mul_(h.beta2).add_(g32.square().mean(dim=1), alpha=1.0 - h.beta2)
     p32 = p if p.dtype == torch.float32 else p.float()
     p32.mul_(1.0 - h.lr * h.weight_decay)
-    if f is None:
-        denom = (v.sqrt() / h.bc2_sqrt).add_(h.eps)[:, None]
-    else:
-        denom = (v.sqrt()[:, None] * f[None, :]).add_(h.eps)
-    p32.addcdiv_(m, denom, value=-h.step_size)
+    denom = (v.sqrt() / h.bc2_sqrt).add_(h.eps)
+    p32.addcdiv_(m, denom[:, None], value=-h.step_size)
     if p32 is not p:
         p.copy_(p32)
     amax = m.abs().amax(dim=1)
@@ -259,8 +163,7 @@ def column_update(
     mids: torch.Tensor,
     bits: int,
 ) -> None:
-    """Block-v, quantised-m update of a segment with column blocks (``st.block_size`` = -P)."""
-    f = cross_factor(g, st, h)
+    """Shared-v, quantised-m update of a segment with column blocks (``st.block_size`` = -P)."""
     period, n = -st.block_size, st.numel
     nb = st.absmax.numel()
     sum_sq = torch.zeros(nb, dtype=torch.float32, device=p.device)
@@ -272,20 +175,14 @@ def column_update(
     count = torch.full((nb,), float(n // period), device=p.device)
     count[: n % period] += 1.0
     st.v.mul_(h.beta2).add_(sum_sq / count, alpha=1.0 - h.beta2)
-    sqrt_v = st.v.sqrt()
-    denom = (sqrt_v / h.bc2_sqrt).add_(h.eps)
+    denom = (st.v.sqrt() / h.bc2_sqrt).add_(h.eps)
     scale = torch.where(amax > 0, amax, torch.ones_like(amax))
     for a, b, m, _ in _column_rows(g, st, h, levels, bits, period):
         w = m.shape[1]
         pc = p[a:b].view(-1, w)
         p32 = pc if pc.dtype == torch.float32 else pc.float()
         p32.mul_(1.0 - h.lr * h.weight_decay)
-        if f is None:
-            d = denom[:w]
-        else:
-            r0 = a // period
-            d = (sqrt_v[None, :w] * f[r0 : r0 + m.shape[0], None]).add_(h.eps)
-        p32.addcdiv_(m, d, value=-h.step_size)
+        p32.addcdiv_(m, denom[:w], value=-h.step_size)
         if p32 is not pc:
             pc.copy_(p32)
         codes = requantize(m / scale[:w], st.start + a, h.step, levels, mids, bits)

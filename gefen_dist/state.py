@@ -9,8 +9,6 @@ the concatenation of its segments' pieces in segment order:
 - ``codes``   uint8: m codes of segments with B > 1, each segment from a byte boundary, two per
   byte at 4 bits
 - ``absmax``, ``v`` fp32, one per block of segments with B > 1 (blocks cut at segment ends)
-- ``v_cross`` fp32, the second moment's factor across the blocks of segments with B != 1 that
-  hold more than one block (``reference.cross_length`` entries each; ``reference``, the factor)
 - ``exp_avg``, ``exp_avg_sq`` fp32, one per element of segments with B = 1 (exact AdamW state)
 - ``step``    fp32 scalar, as AdamW
 
@@ -23,21 +21,10 @@ from __future__ import annotations
 import torch
 
 from .codes import code_bytes
-from .reference import SegmentState, cross_length
+from .reference import SegmentState
 from .segments import Segment, num_blocks
 
-STATE_KEYS = (
-    "step",
-    "layout",
-    "codebook",
-    "codes",
-    "absmax",
-    "v",
-    "v_cross",
-    "exp_avg",
-    "exp_avg_sq",
-)
-GROWING_KEYS = ("codes", "absmax", "v", "v_cross", "exp_avg", "exp_avg_sq")
+STATE_KEYS = ("step", "layout", "codebook", "codes", "absmax", "v", "exp_avg", "exp_avg_sq")
 
 
 def bits_of(codebook: torch.Tensor) -> int:
@@ -48,14 +35,13 @@ def allocate(
     segments: list[Segment], block_sizes: list[int], codebook: torch.Tensor, device: torch.device
 ) -> dict[str, torch.Tensor]:
     bits = bits_of(codebook)
-    n_codes = n_blocks = n_cross = n_dense = 0
+    n_codes = n_blocks = n_dense = 0
     for seg, bs in zip(segments, block_sizes, strict=True):
         if bs == 1:
             n_dense += seg.numel
         else:
             n_codes += code_bytes(seg.numel, bits)
             n_blocks += num_blocks(seg.start, seg.numel, bs)
-            n_cross += cross_length(seg.start, seg.numel, bs)
     f32 = dict(dtype=torch.float32, device=device)
     layout = torch.tensor(
         [[s.offset, s.numel, s.start, bs] for s, bs in zip(segments, block_sizes, strict=True)],
@@ -68,7 +54,6 @@ def allocate(
         "codes": torch.zeros(n_codes, dtype=torch.uint8, device=device),
         "absmax": torch.zeros(n_blocks, **f32),
         "v": torch.zeros(n_blocks, **f32),
-        "v_cross": torch.zeros(n_cross, **f32),
         "exp_avg": torch.zeros(n_dense, **f32),
         "exp_avg_sq": torch.zeros(n_dense, **f32),
     }
@@ -78,7 +63,7 @@ def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentStat
     """(buffer offset, views) for each segment, in layout order."""
     bits = bits_of(state["codebook"])
     out = []
-    c = b = x = d = 0
+    c = b = d = 0
     for offset, numel, start, bs in state["layout"].tolist():
         if bs == 1:
             st = SegmentState(
@@ -91,7 +76,6 @@ def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentStat
             d += numel
         else:
             nc, nb = code_bytes(numel, bits), num_blocks(start, numel, bs)
-            nx = cross_length(start, numel, bs)
             st = SegmentState(
                 start,
                 numel,
@@ -99,28 +83,16 @@ def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentStat
                 codes=state["codes"][c : c + nc],
                 absmax=state["absmax"][b : b + nb],
                 v=state["v"][b : b + nb],
-                v_cross=state["v_cross"][x : x + nx] if nx else None,
             )
-            c, b, x = c + nc, b + nb, x + nx
+            c, b = c + nc, b + nb
         out.append((offset, st))
     return out
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
     """Bytes of optimizer state proper: what grows with the model (not layout or codebook)."""
-    return sum(state[k].numel() * state[k].element_size() for k in GROWING_KEYS if k in state)
-
-
-def upgrade(state: dict) -> dict:
-    """A state saved before ``v_cross`` existed, with zeros for it: the factor is a ratio, so it
-    is exact again after one step (``reference``); anything else is left for ``check_loaded``."""
-    if "v_cross" in state or "layout" not in state or "v" not in state:
-        return state
-    layout = state["layout"]
-    if layout.dim() != 2 or layout.shape[1] != 4:
-        return state
-    n = sum(cross_length(s, n, bs) for _, n, s, bs in layout.tolist() if bs != 1)
-    return {**state, "v_cross": torch.zeros(n, dtype=torch.float32, device=state["v"].device)}
+    keys = ("codes", "absmax", "v", "exp_avg", "exp_avg_sq")
+    return sum(state[k].numel() * state[k].element_size() for k in keys if k in state)
 
 
 def check_loaded(state: dict, segments: list[Segment], bits: int, name: str) -> None:
@@ -153,7 +125,7 @@ def check_loaded(state: dict, segments: list[Segment], bits: int, name: str) -> 
                 f"(must be >= 1, or -{row} for its columns)"
             )
     ref = allocate(segments, blocks, state["codebook"], torch.device("meta"))
-    for k in GROWING_KEYS:
+    for k in ("codes", "absmax", "v", "exp_avg", "exp_avg_sq"):
         t = state[k]
         if t.dtype != ref[k].dtype or t.shape != ref[k].shape:
             raise ValueError(
