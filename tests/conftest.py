@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -10,12 +11,13 @@ import pytest
 SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
 
 
-def _remove_new(before: set[str]) -> None:
+@contextlib.contextmanager
+def _removing_new_shm_buffers():
+    before = set(glob.glob(SHM_BUFFERS))
+    yield
     for path in set(glob.glob(SHM_BUFFERS)) - before:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -24,14 +26,12 @@ def _remove_deepspeed_shm_buffers_of_the_session():
     /dev/shm after every run; /dev/shm is RAM, and a few hundred runs had filled 22 of this
     machine's 24 GiB. Session scope catches the runs of module-scoped fixtures, which start
     before any function-scoped fixture could take its snapshot."""
-    before = set(glob.glob(SHM_BUFFERS))
-    yield
-    _remove_new(before)
+    with _removing_new_shm_buffers():
+        yield
 
 
 @pytest.fixture(autouse=True)
 def _remove_deepspeed_shm_buffers_of_the_test():
     """The same per test, so a session never holds more than one test's buffers."""
-    before = set(glob.glob(SHM_BUFFERS))
-    yield
-    _remove_new(before)
+    with _removing_new_shm_buffers():
+        yield
