@@ -17,11 +17,9 @@ rounding has a dead zone: an entry whose change in a step is under half a level 
 its code, so a small m stops decaying when its gradient does; stochastic rounding decays it in
 expectation. Comparing the two says how much of a task's gap that dead zone is.
 
-``--second-moment factored`` is another diagnostic: every whole-tensor segment with blocks
-divides by v_ij = R_i C_j / mean(R), R being Gefen's own v per block and C an EMA of g^2 over the
-other axis (Adafactor's rank-1 fit), through the reference update. It measures what sharing
-over one axis costs against two factors (``benchmarks/sharing_drift.py`` shows the v spread each
-leaves); Gefen itself does not do this yet.
+``--second-moment shared`` is another diagnostic: Gefen without its cross factor, one v per block
+as the seeds describe (``reference``, the factor). It measures what the factor earns
+(``results/factored_v.md``).
 """
 
 from __future__ import annotations
@@ -51,57 +49,12 @@ def _force_rounding(gopt, reference, rounding: str) -> None:
     gopt.Gefen._impl = lambda self, p, g: "reference"
 
 
-def _force_factored(gopt, reference) -> dict:
-    """Run Gefen through the reference update with v_ij = R_i C_j / mean(R) (Adafactor's rank-1
-    fit) on every whole-tensor segment with blocks: R is Gefen's own v per block (a row of the
-    (n / B, B) view, or a column for column blocks) and C an EMA of g^2 over the other axis, kept
-    here. A diagnostic of what sharing over one axis loses against two factors; not Gefen."""
-    import torch
+def _force_shared() -> None:
+    """Gefen with one v per block and no cross factor (the seeds' shared v): no segment keeps a
+    ``v_cross``, so every backend divides by its block's v alone."""
+    from gefen_dist import state
 
-    from gefen_dist import codes
-
-    side: dict[int, torch.Tensor] = {}
-    shared_block, shared_column = gopt.block_update, gopt.column_update
-
-    def factored(p, g, st, h, levels, mids, bits, width, by_row):
-        rows = st.numel // width
-        g32 = g.float().view(rows, width)
-        m = levels[codes.read_codes(st.codes, 0, st.numel, bits).long()].view(rows, width)
-        m.mul_(st.absmax[:, None] if by_row else st.absmax[None, :]).lerp_(g32, 1.0 - h.beta1)
-        sq = g32.square()
-        st.v.mul_(h.beta2).add_(sq.mean(dim=1 if by_row else 0), alpha=1.0 - h.beta2)
-        other = side.setdefault(id(st), torch.zeros(width if by_row else rows))
-        other.mul_(h.beta2).add_(sq.mean(dim=0 if by_row else 1), alpha=1.0 - h.beta2)
-        r, c = (st.v, other) if by_row else (other, st.v)
-        total = st.v.mean()
-        v = r[:, None] * c[None, :] / torch.where(total > 0, total, torch.ones_like(total))
-        p2 = p.view(rows, width)
-        p2.mul_(1.0 - h.lr * h.weight_decay)
-        p2.addcdiv_(m, (v.sqrt() / h.bc2_sqrt).add_(h.eps), value=-h.step_size)
-        amax = m.abs().amax(dim=1 if by_row else 0)
-        st.absmax.copy_(amax)
-        scale = torch.where(amax > 0, amax, torch.ones_like(amax))
-        x = m / (scale[:, None] if by_row else scale[None, :])
-        q = reference.requantize(x, st.start, h.step, levels, mids, bits)
-        codes.write_codes(st.codes, 0, st.numel, q, bits)
-
-    def whole(p, st, width):
-        return st.start == 0 and p.dtype == torch.float32 and st.numel % width == 0
-
-    def block_update(p, g, st, h, levels, mids, bits):
-        b = st.block_size
-        if whole(p, st, b) and st.numel > b:
-            return factored(p, g, st, h, levels, mids, bits, b, True)
-        return shared_block(p, g, st, h, levels, mids, bits)
-
-    def column_update(p, g, st, h, levels, mids, bits):
-        if whole(p, st, -st.block_size):
-            return factored(p, g, st, h, levels, mids, bits, -st.block_size, False)
-        return shared_column(p, g, st, h, levels, mids, bits)
-
-    gopt.block_update, gopt.column_update = block_update, column_update
-    gopt.Gefen._impl = lambda self, p, g: "reference"
-    return side  # the other axis's factors, by segment: state Gefen would have to keep
+    state.cross_length = lambda block_size, tensor_numel: 0
 
 
 def _child(
@@ -114,7 +67,8 @@ def _child(
 
     if rounding != "as-built":
         _force_rounding(gopt, reference, rounding)
-    side = _force_factored(gopt, reference) if v == "factored" else {}
+    if v == "shared":
+        _force_shared()
 
     spec = tasks.scaled(tasks.TASKS[task], scale)
     names = [n for n, p in tasks.build(spec, seed).model.named_parameters() if p.requires_grad]
@@ -133,13 +87,11 @@ def _child(
 
     gopt.partition.choose_block_size = override
     rec = suite.run_one(spec, optimizer, seed)
-    extra = 4 * sum(t.numel() for t in side.values()) / rec["params"]
     print(
         json.dumps(
             dict(
                 final=rec["final"],
                 bytes_per_param=rec["bytes_per_param"],
-                factor_bytes_per_param=extra,
                 blocks=calls,
             )
         )
@@ -149,7 +101,7 @@ def _child(
 def _run(task, optimizer, seed, config, scale, rounding, v) -> dict:
     cmd = [sys.executable, __file__, "--child", task, optimizer, str(seed), config, str(scale)]
     gefen = optimizer.startswith("gefen")
-    cmd += [rounding if gefen else "as-built", v if gefen else "shared"]
+    cmd += [rounding if gefen else "as-built", v if gefen else "as-built"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -169,9 +121,9 @@ def main() -> None:
     ap.add_argument("--rounding", choices=("as-built", "nearest", "stochastic"), default="as-built")
     ap.add_argument(
         "--second-moment",
-        choices=("shared", "factored"),
-        default="shared",
-        help="factored: a diagnostic, v = row factor x column factor (see _force_factored)",
+        choices=("as-built", "shared"),
+        default="as-built",
+        help="shared: a diagnostic, one v per block without the cross factor (_force_shared)",
     )
     args = ap.parse_args()
     jobs = [("adamw", "", s) for s in range(args.seeds)]
@@ -222,15 +174,6 @@ def main() -> None:
             ]
             cells.append(_mean_sd(pts, "pt"))
         print("| " + " | ".join(cells) + f" | {bpp:.2f} |")
-    if args.second_moment == "factored":
-        extra = {
-            c or "as chosen": res[(args.optimizer, c, 0)]["factor_bytes_per_param"]
-            for c in args.configs
-        }
-        print(
-            "the factors C over the other axis, not in bytes/param above: "
-            + ", ".join(f"{c} +{x:.3f} bytes/param" for c, x in extra.items())
-        )
 
 
 def _mean_sd(xs: list[float], unit: str, t: bool = False) -> str:

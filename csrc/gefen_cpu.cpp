@@ -257,11 +257,12 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
   }
 }
 
-// m = lerp(level * old, g), the parameter step and max |m| of one block's n elements
-template <int PT, int GT, bool kLow>
+// m = lerp(level * old, g), the parameter step and max |m| of one block's n elements; the
+// denominator is ``denom``, or sqrt(v) * fac[i] + eps with kFac (reference.cross_factor)
+template <int PT, int GT, bool kLow, bool kFac>
 inline float move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
                   const typename Elem<GT>::T* __restrict g, int64_t n, float old, float denom,
-                  const Hyper& h) {
+                  float sv, const float* __restrict fac, const Hyper& h) {
   const float w1 = 1.0f - h.w;
   float amax = 0.0f;
 #pragma omp simd reduction(max : amax)
@@ -269,7 +270,8 @@ inline float move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
     const float m = lerp<kLow>(buf[i] * old, Elem<GT>::get(g[i]), h.w, w1);
     buf[i] = m;
     const float pi = Elem<PT>::get(p[i]) * h.decay;
-    p[i] = Elem<PT>::put(pi + h.neg_step * (m / denom));
+    const float d = kFac ? sv * fac[i] + h.eps : denom;
+    p[i] = Elem<PT>::put(pi + h.neg_step * (m / d));
     amax = std::max(amax, std::fabs(m));
   }
   return amax;
@@ -279,7 +281,7 @@ template <int PT, int GT>
 void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax, float* v,
                const float* levels, const float* mp, int n_mids, const int32_t* table,
                int64_t start, int64_t numel, int64_t block, bool four, uint32_t key,
-               const Hyper& h, const float* pair4, float* buf, int32_t* idx) {
+               const Hyper& h, const float* pair4, const float* fac, float* buf, int32_t* idx) {
   const int64_t b0 = start / block;
   const int64_t lo = std::max((b0 + j) * block, start) - start;
   const int64_t hi = std::min((b0 + j + 1) * block, start + numel) - start;
@@ -295,11 +297,19 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
   const float mean = static_cast<float>(s / static_cast<double>(n));
   const float vj = v[j] * h.beta2 + h.a2 * mean;
   v[j] = vj;
-  const float denom = std::sqrt(vj) / h.bc2 + h.eps;
+  const float sv = std::sqrt(vj);
+  const float denom = sv / h.bc2 + h.eps;
   const float old = absmax[j];
   decode(codes, lo, hi, four, levels, pair4, buf);
-  const float amax = h.w < 0.5f ? move<PT, GT, true>(buf, pb, gb, n, old, denom, h)
-                                : move<PT, GT, false>(buf, pb, gb, n, old, denom, h);
+  float amax;
+  if (fac) {
+    const float* f = fac + (start + lo) % block;
+    amax = h.w < 0.5f ? move<PT, GT, true, true>(buf, pb, gb, n, old, denom, sv, f, h)
+                      : move<PT, GT, false, true>(buf, pb, gb, n, old, denom, sv, f, h);
+  } else {
+    amax = h.w < 0.5f ? move<PT, GT, true, false>(buf, pb, gb, n, old, denom, sv, nullptr, h)
+                      : move<PT, GT, false, false>(buf, pb, gb, n, old, denom, sv, nullptr, h);
+  }
   absmax[j] = amax;
   const float scale = amax > 0.0f ? amax : 1.0f;
   requantize_range<false>(buf, nullptr, scale, n, four, levels, mp, n_mids, table, start + lo, key,
@@ -328,17 +338,19 @@ inline void column_stats(const float* __restrict buf, const typename Elem<GT>::T
 }
 
 // Pass 2: the same m again, into buf, and the parameter step with each column's denominator
-template <int PT, int GT, bool kLow>
+// (with kFac, ``denom`` holds sqrt(v) per column and the row's factor ``fr`` completes it)
+template <int PT, int GT, bool kLow, bool kFac>
 inline void column_move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
                         const typename Elem<GT>::T* __restrict g, const float* __restrict absmax,
-                        const float* __restrict denom, int64_t n, const Hyper& h) {
+                        const float* __restrict denom, float fr, int64_t n, const Hyper& h) {
   const float w1 = 1.0f - h.w;
 #pragma omp simd
   for (int64_t k = 0; k < n; ++k) {
     const float m = lerp<kLow>(buf[k] * absmax[k], Elem<GT>::get(g[k]), h.w, w1);
     buf[k] = m;
     const float pi = Elem<PT>::get(p[k]) * h.decay;
-    p[k] = Elem<PT>::put(pi + h.neg_step * (m / denom[k]));
+    const float d = kFac ? denom[k] * fr + h.eps : denom[k];
+    p[k] = Elem<PT>::put(pi + h.neg_step * (m / d));
   }
 }
 
@@ -353,7 +365,7 @@ template <int PT, int GT>
 void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
              const float* levels, const float* mp, int n_mids, const int32_t* table,
              int64_t start, int64_t numel, int64_t period, bool four, uint32_t key,
-             const Hyper& h, const float* pair4, int threads) {
+             const Hyper& h, const float* pair4, const float* fac, int threads) {
   auto* pt = static_cast<typename Elem<PT>::T*>(p);
   const auto* gt = static_cast<const typename Elem<GT>::T*>(g);
   const int64_t nb = std::min(numel, period);
@@ -396,7 +408,8 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
     const float mean = static_cast<float>(total / static_cast<double>(count));
     const float vk = v[k] * h.beta2 + h.a2 * mean;
     v[k] = vk;
-    denom[k] = std::sqrt(vk) / h.bc2 + h.eps;
+    const float sv = std::sqrt(vk);
+    denom[k] = fac ? sv : sv / h.bc2 + h.eps;
     amax[k] = mx;
     scale[k] = mx > 0.0f ? mx : 1.0f;
   }
@@ -409,10 +422,26 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
       for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
         const int64_t lo = r * period, hi = std::min(lo + period, numel), w = hi - lo;
         decode(codes, lo, hi, four, levels, pair4, buf.data());
-        if (h.w < 0.5f)
-          column_move<PT, GT, true>(buf.data(), pt + lo, gt + lo, absmax, denom.data(), w, h);
+        const float* d = denom.data();
+        if (fac) {
+          // the factor is per tensor row: a piece that starts mid-row (start % period != 0) has
+          // each row of its view straddle two tensor rows, from column ``cut`` on the next one
+          const int64_t tr = (start + lo) / period, cut = std::min(w, period - start % period);
+          float* b = buf.data();
+          const float f0 = fac[tr], f1 = cut < w ? fac[tr + 1] : 0.0f;
+          if (h.w < 0.5f) {
+            column_move<PT, GT, true, true>(b, pt + lo, gt + lo, absmax, d, f0, cut, h);
+            column_move<PT, GT, true, true>(b + cut, pt + lo + cut, gt + lo + cut, absmax + cut,
+                                            d + cut, f1, w - cut, h);
+          } else {
+            column_move<PT, GT, false, true>(b, pt + lo, gt + lo, absmax, d, f0, cut, h);
+            column_move<PT, GT, false, true>(b + cut, pt + lo + cut, gt + lo + cut, absmax + cut,
+                                             d + cut, f1, w - cut, h);
+          }
+        } else if (h.w < 0.5f)
+          column_move<PT, GT, true, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h);
         else
-          column_move<PT, GT, false>(buf.data(), pt + lo, gt + lo, absmax, denom.data(), w, h);
+          column_move<PT, GT, false, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h);
         requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, levels, mp, n_mids, table,
                             start + lo, key,
                             idx.data());
@@ -454,18 +483,18 @@ void dense_range(void* p, const void* g, float* m, float* v, int64_t lo, int64_t
 // The segment table's columns, as csrc/gefen_cuda.h (one table format for both backends).
 enum Meta : int {
   kP = 0, kG, kCodes, kAbsmax, kV, kLevels, kMids, kStart, kNumel, kBlock, kBits, kPDtype,
-  kGDtype, kExpAvg, kExpAvgSq, kNLevels, kStepKey, kMetaCols
+  kGDtype, kExpAvg, kExpAvgSq, kNLevels, kStepKey, kFactor, kMetaCols
 };
 constexpr int kHypCols = 8;
 constexpr int64_t kDenseTile = 16384;
 
 using BlockFn = void (*)(int64_t, void*, const void*, uint8_t*, float*, float*, const float*,
                          const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
-                         uint32_t, const Hyper&, const float*, float*, int32_t*);
+                         uint32_t, const Hyper&, const float*, const float*, float*, int32_t*);
 using DenseFn = void (*)(void*, const void*, float*, float*, int64_t, int64_t, const Hyper&);
 using ColumnFn = void (*)(void*, const void*, uint8_t*, float*, float*, const float*,
                           const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
-                          uint32_t, const Hyper&, const float*, int);
+                          uint32_t, const Hyper&, const float*, const float*, int);
 
 struct Kernels {
   BlockFn block;
@@ -508,6 +537,73 @@ struct Prep {
   int64_t items;
   std::vector<float> mp, pair4;
 };
+
+// reference.cross_sums: fp64 sums of g^2 and counts per entry of a tensor's v_cross over one
+// piece. Each entry's sum runs over the piece's rows in order, whatever the thread count.
+template <int GT>
+void cross_sums(const void* gv, int64_t start, int64_t numel, int64_t block, double* sums,
+                double* counts, int threads) {
+  const auto* g = static_cast<const typename Elem<GT>::T*>(gv);
+  const bool contiguous = block > 0;
+  const int64_t width = contiguous ? block : -block;
+  const int64_t head = std::min((width - start % width) % width, numel);
+  const int64_t whole = (numel - head) / width, tail = numel - head - whole * width;
+  const int64_t row0 = (start + width - 1) / width;  // the tensor row of the first whole row
+  auto sq = [&](int64_t i) {
+    const double x = Elem<GT>::get(g[i]);
+    return x * x;
+  };
+  if (contiguous) {
+    const int64_t first = start % width;
+    for (int64_t i = 0; i < head; ++i) {
+      sums[first + i] += sq(i);
+      counts[first + i] += 1.0;
+    }
+    const int64_t span = std::max<int64_t>(64, (width + threads - 1) / std::max(threads, 1));
+    const int64_t parts = (width + span - 1) / span;
+#pragma omp parallel for num_threads(std::max(threads, 1)) if (threads > 1 && parts > 1)
+    for (int64_t c = 0; c < parts; ++c) {
+      const int64_t j0 = c * span, j1 = std::min(width, j0 + span);
+      for (int64_t r = 0; r < whole; ++r) {
+        const auto* row = g + head + r * width;
+#pragma omp simd
+        for (int64_t j = j0; j < j1; ++j) {
+          const double x = Elem<GT>::get(row[j]);
+          sums[j] += x * x;
+        }
+      }
+      for (int64_t j = j0; j < j1; ++j) counts[j] += static_cast<double>(whole);
+    }
+    for (int64_t i = 0; i < tail; ++i) {
+      sums[i] += sq(numel - tail + i);
+      counts[i] += 1.0;
+    }
+    return;
+  }
+  if (head) {
+    double s = 0.0;
+    for (int64_t i = 0; i < head; ++i) s += sq(i);
+    sums[start / width] += s;
+    counts[start / width] += static_cast<double>(head);
+  }
+#pragma omp parallel for num_threads(std::max(threads, 1)) if (threads > 1 && whole > 1)
+  for (int64_t r = 0; r < whole; ++r) {
+    const auto* row = g + head + r * width;
+    double s = 0.0;
+    for (int64_t j = 0; j < width; ++j) {
+      const double x = Elem<GT>::get(row[j]);
+      s += x * x;
+    }
+    sums[row0 + r] += s;
+    counts[row0 + r] += static_cast<double>(width);
+  }
+  if (tail) {
+    double s = 0.0;
+    for (int64_t i = numel - tail; i < numel; ++i) s += sq(i);
+    sums[row0 + whole] += s;
+    counts[row0 + whole] += static_cast<double>(tail);
+  }
+}
 
 }  // namespace
 
@@ -588,7 +684,7 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
                reinterpret_cast<float*>(m[kAbsmax]), reinterpret_cast<float*>(m[kV]),
                reinterpret_cast<const float*>(m[kLevels]), r.mp.data(), r.n_mids, lut_of(s),
                m[kStart], m[kNumel], m[kBlock], r.four, static_cast<uint32_t>(m[kStepKey]), r.h,
-               r.pair4.data(), buf, idx);
+               r.pair4.data(), reinterpret_cast<const float*>(m[kFactor]), buf, idx);
   };
 #pragma omp parallel num_threads(std::max(threads, 1)) if (threads > 1 && total > 1)
   {
@@ -614,9 +710,24 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
                  reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
                  reinterpret_cast<float*>(m[kV]), reinterpret_cast<const float*>(m[kLevels]),
                  r.mp.data(), r.n_mids, lut_of(s), m[kStart], m[kNumel], -m[kBlock], r.four,
-                 static_cast<uint32_t>(m[kStepKey]), r.h, r.pair4.data(), threads);
+                 static_cast<uint32_t>(m[kStepKey]), r.h, r.pair4.data(),
+                 reinterpret_cast<const float*>(m[kFactor]), threads);
   }
   return 0;
+}
+
+// reference.cross_sums for a flat piece ``g`` of dtype ``g_dtype`` (0 fp32, 1 bf16, 2 fp16),
+// elements [start, start + numel) of its tensor, block size ``block`` (> 1, or -P for
+// columns): adds into ``sums`` and ``counts`` (fp64, the tensor's v_cross entries). Returns 0, or
+// -1 for a dtype it refuses.
+int gefen_cpu_cross_sums(const void* g, int g_dtype, int64_t start, int64_t numel, int64_t block,
+                         double* sums, double* counts, int threads) {
+  switch (g_dtype) {
+    case F32: cross_sums<F32>(g, start, numel, block, sums, counts, threads); return 0;
+    case BF16: cross_sums<BF16>(g, start, numel, block, sums, counts, threads); return 0;
+    case F16: cross_sums<F16>(g, start, numel, block, sums, counts, threads); return 0;
+    default: return -1;
+  }
 }
 
 }  // extern "C"

@@ -196,16 +196,21 @@ __global__ void __launch_bounds__(kThreads) blocks_kernel(const int64_t* __restr
   const double total = team_sum<T>(acc, s_sum);
   const float mean = static_cast<float>(total / static_cast<double>(hi - lo));
   const float vj = __fadd_rn(__fmul_rn(v[j], h[kBeta2]), __fmul_rn(h[kA2], mean));
-  const float denom = __fadd_rn(__fdiv_rn(sqrtf(vj), h[kBc2]), h[kEps]);
+  const float sv = sqrtf(vj);
+  const float denom = __fadd_rn(__fdiv_rn(sv, h[kBc2]), h[kEps]);
   const float old = absmax[j];
   const float w = h[kW], decay = h[kDecay], neg_step = h[kNegStep];
+  // reference.cross_factor: the element's denominator is sqrt(v) * fac[position] + eps
+  const float* fac = reinterpret_cast<const float*>(m[kFactor]);
+  const int64_t pos = fac ? (start + lo) % block - lo : 0;
 
   float amax = 0.0f;
   for (int64_t i = lo + lane; i < hi; i += T) {
     float mi = __fmul_rn(levels[get_code(codes, i, four)], old);
     mi = lerp(mi, load(g, i, gt), w);
     const float pi = __fmul_rn(load(p, i, pt), decay);
-    store(p, i, __fadd_rn(pi, __fmul_rn(neg_step, __fdiv_rn(mi, denom))), pt);
+    const float d = fac ? __fadd_rn(__fmul_rn(sv, fac[pos + i]), h[kEps]) : denom;
+    store(p, i, __fadd_rn(pi, __fmul_rn(neg_step, __fdiv_rn(mi, d))), pt);
     amax = fmaxf(amax, fabsf(mi));
   }
   amax = team_max<T>(amax, s_max);
@@ -329,6 +334,7 @@ struct ColumnRow {
   float* v;
   const float* levels;
   const float* mids;
+  const float* fac;  // reference.cross_factor per row of the tensor, or null
   int64_t start, numel, period;
   int n_levels, pt, gt;
   bool four;
@@ -344,6 +350,7 @@ __device__ __forceinline__ ColumnRow column_row(const int64_t* m) {
   r.v = reinterpret_cast<float*>(m[kV]);
   r.levels = reinterpret_cast<const float*>(m[kLevels]);
   r.mids = reinterpret_cast<const float*>(m[kMids]);
+  r.fac = reinterpret_cast<const float*>(m[kFactor]);
   r.start = m[kStart];
   r.key = static_cast<uint32_t>(m[kStepKey]);
   r.numel = m[kNumel];
@@ -400,7 +407,8 @@ __global__ void __launch_bounds__(kThreads) columns_finish_kernel(
   const float mean = static_cast<float>(total / static_cast<double>(count));
   const float vk = __fadd_rn(__fmul_rn(r.v[k], hyp[kBeta2]), __fmul_rn(hyp[kA2], mean));
   r.v[k] = vk;
-  denom[k] = __fadd_rn(__fdiv_rn(sqrtf(vk), hyp[kBc2]), hyp[kEps]);
+  const float sv = sqrtf(vk);  // factored: sqrt(v) here, the row's factor in column_element
+  denom[k] = r.fac ? sv : __fadd_rn(__fdiv_rn(sv, hyp[kBc2]), hyp[kEps]);
   amax_new[k] = amax;
 }
 
@@ -411,7 +419,10 @@ __device__ __forceinline__ int column_element(const ColumnRow& r, const float* h
   const int64_t k = e % r.period;
   const float mi = lerp(__fmul_rn(levels[code], r.absmax[k]), load(r.g, e, r.gt), hyp[kW]);
   const float pi = __fmul_rn(load(r.p, e, r.pt), hyp[kDecay]);
-  store(r.p, e, __fadd_rn(pi, __fmul_rn(hyp[kNegStep], __fdiv_rn(mi, denom[k]))), r.pt);
+  const float d =
+      r.fac ? __fadd_rn(__fmul_rn(denom[k], r.fac[(r.start + e) / r.period]), hyp[kEps])
+            : denom[k];
+  store(r.p, e, __fadd_rn(pi, __fmul_rn(hyp[kNegStep], __fdiv_rn(mi, d))), r.pt);
   const float scale = amax_new[k] > 0.0f ? amax_new[k] : 1.0f;
   const float x = __fdiv_rn(mi, scale);
   return r.four ? stochastic(x, levels, r.start + e, r.key) : nearest(x, mids, r.n_levels - 1);

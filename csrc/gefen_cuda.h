@@ -28,7 +28,8 @@ enum Meta : int {
   kExpAvgSq,      // fp32 v per element (B = 1)
   kNLevels,       // 16 or 256
   kStepKey,       // codes.step_key(step): 4-bit stochastic rounding's per-step hash
-  kMetaCols = 17
+  kFactor,        // fp32 reference.cross_factor of the segment (B != 1), or 0 for none
+  kMetaCols = 18
 };
 
 // One row of the per-segment hyperparameters (fp32), computed on the host from the group's lr,
@@ -67,6 +68,7 @@ cudaError_t launch_histogram(const void* g, int g_dtype, int64_t start, int64_t 
 // One column segment (block size -P in the table row ``meta``/``hyp``, a single row on the
 // device): v and absmax per column, three launches. Scratch from the caller: ``part_sum``
 // (double) and ``part_max`` (chunks x min(numel, P)), ``denom`` and ``amax_new`` (min(numel, P));
+// a factored row (kFactor) keeps sqrt(v) in ``denom`` and completes it per row of the view;
 // chunk c covers rows [c * rows_per_chunk, (c + 1) * rows_per_chunk) of the (rows, P) view.
 // ``absmax`` is the segment's absmax (also in ``meta``), overwritten last, on ``stream``.
 cudaError_t launch_columns(const int64_t* meta, const float* hyp, int64_t numel, int64_t period,

@@ -25,7 +25,9 @@ import numpy as np
 import torch
 
 from .codes import code_table, step_key
-from .reference import Hyper, SegmentState
+from .reference import Hyper, SegmentState, local_factor
+
+_NO_FACTOR = np.zeros(0, dtype=np.float32)  # a segment without v_cross (numba wants one type)
 
 
 @numba.njit(cache=True, inline="always")
@@ -101,7 +103,7 @@ def _code(x, levels, mids, lut, index, key, four):
 
 
 @numba.njit(cache=True)
-def _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h):
+def _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h, fac):
     b1, w, b2, a2, decay, neg_step, bc2, eps, key = h
     n = p.shape[0]
     b0 = start // block
@@ -113,13 +115,17 @@ def _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four,
     mean = np.float32(s / (hi - lo))
     vj = v[j] * b2 + a2 * mean
     v[j] = vj
-    denom = np.float32(math.sqrt(vj)) / bc2 + eps
+    sv = np.float32(math.sqrt(vj))
+    denom = sv / bc2 + eps
+    factored = fac.shape[0] > 0
+    pos = (start + lo) % block - lo
     old = absmax[j]
     amax = np.float32(0.0)
     for i in range(lo, hi):
         m = levels[_get(codes, i, four)] * old
         m = m + w * (g[i] - m)
-        p[i] = p[i] * decay + neg_step * m / denom
+        d = sv * fac[pos + i] + eps if factored else denom
+        p[i] = p[i] * decay + neg_step * m / d
         amax = max(amax, abs(m))
     absmax[j] = amax
     scale = amax if amax > 0 else np.float32(1.0)
@@ -130,24 +136,25 @@ def _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four,
 
 
 @numba.njit(cache=True, parallel=True)
-def _blocks_parallel(p, g, codes, absmax, v, levels, mids, lut, start, block, four, h):
+def _blocks_parallel(p, g, codes, absmax, v, levels, mids, lut, start, block, four, h, fac):
     for j in numba.prange(absmax.shape[0]):
-        _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h)
+        _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h, fac)
 
 
 @numba.njit(cache=True)
-def _blocks_serial(p, g, codes, absmax, v, levels, mids, lut, start, block, four, h):
+def _blocks_serial(p, g, codes, absmax, v, levels, mids, lut, start, block, four, h, fac):
     for j in range(absmax.shape[0]):
-        _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h)
+        _one_block(j, p, g, codes, absmax, v, levels, mids, lut, start, block, four, h, fac)
 
 
 @numba.njit(cache=True)
 def _columns(
-    p, g, codes, absmax, v, levels, mids, lut, start, period, four, h, sum_sq, amax, denom
+    p, g, codes, absmax, v, levels, mids, lut, start, period, four, h, sum_sq, amax, denom, fac
 ):
     b1, w, b2, a2, decay, neg_step, bc2, eps, key = h
     n = p.shape[0]
     nb = absmax.shape[0]
+    factored = fac.shape[0] > 0
     k = 0
     for i in range(n):
         m = levels[_get(codes, i, four)] * absmax[k]
@@ -161,17 +168,24 @@ def _columns(
         count = n // period + (1 if k < n % period else 0)
         vk = v[k] * b2 + a2 * np.float32(sum_sq[k] / count)
         v[k] = vk
-        denom[k] = np.float32(math.sqrt(vk)) / bc2 + eps
+        sv = np.float32(math.sqrt(vk))
+        denom[k] = sv if factored else sv / bc2 + eps  # factored: sqrt(v), times the row's factor
     k = 0
+    r, t = start // period, start % period  # the element's tensor row and column
     for i in range(n):
         m = levels[_get(codes, i, four)] * absmax[k]
         m = m + w * (g[i] - m)
-        p[i] = p[i] * decay + neg_step * m / denom[k]
+        d = denom[k] * fac[r] + eps if factored else denom[k]
+        p[i] = p[i] * decay + neg_step * m / d
         scale = amax[k] if amax[k] > 0 else np.float32(1.0)
         _put(codes, i, _code(m / scale, levels, mids, lut, start + i, key, four), four)
         k += 1
         if k == period:
             k = 0
+        t += 1
+        if t == period:
+            t = 0
+            r += 1
     for k in range(nb):
         absmax[k] = amax[k]
 
@@ -203,9 +217,11 @@ def column_update(
     levels: torch.Tensor,
     mids: torch.Tensor,
     bits: int,
+    factor: torch.Tensor | None = None,
 ) -> None:
     """Same contract as ``reference.column_update`` for fp32 CPU tensors."""
     nb = st.absmax.numel()
+    f = local_factor(g, st, h) if factor is None else factor
     _columns(
         p.detach().numpy(),
         g.detach().numpy(),
@@ -222,6 +238,7 @@ def column_update(
         np.zeros(nb, dtype=np.float64),
         np.zeros(nb, dtype=np.float32),
         np.zeros(nb, dtype=np.float32),
+        _NO_FACTOR if f is None else f.numpy(),
     )
 
 
@@ -233,8 +250,10 @@ def block_update(
     levels: torch.Tensor,
     mids: torch.Tensor,
     bits: int,
+    factor: torch.Tensor | None = None,
 ) -> None:
     """Same contract as ``reference.block_update`` for fp32 CPU tensors."""
+    f = local_factor(g, st, h) if factor is None else factor
     hyper = _hyper(h)
     four = bits == 4
     args = (
@@ -250,6 +269,7 @@ def block_update(
         st.block_size,
         four,
         hyper,
+        _NO_FACTOR if f is None else f.numpy(),
     )
     if four and (st.block_size % 2 or st.start % 2):
         _blocks_serial(*args)

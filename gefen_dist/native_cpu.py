@@ -26,6 +26,7 @@ import torch
 
 from . import segment_table as table
 from .codes import code_table
+from .reference import local_factor
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "gefen_cpu.cpp"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
@@ -75,6 +76,9 @@ def _build() -> ctypes.CDLL:
     dll.gefen_cpu_step.argtypes = [P, P, P, I32, I32]
     dll.gefen_cpu_step.restype = I32
     dll.gefen_cpu_lut_cells.restype = I32
+    I64 = ctypes.c_int64
+    dll.gefen_cpu_cross_sums.argtypes = [P, I32, I64, I64, I64, P, P, I32]
+    dll.gefen_cpu_cross_sums.restype = I32
     return dll
 
 
@@ -103,17 +107,20 @@ def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
 
 
 def step(work: list[tuple]) -> None:
-    """Run every (p, g, segment views, Hyper, levels, mids, bits) in one call: blocks and dense
-    tiles of all segments share the threads. Flat contiguous CPU views."""
+    """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor]) in one call: blocks
+    and dense tiles of all segments share the threads. Flat contiguous CPU views. ``factor``:
+    the segment's ``reference.cross_factor`` this step; without it, its ``local_factor``."""
     if not work:
         return
     lib = load()
-    rows, hyps, luts = [], [], []
+    rows, hyps, luts, factors = [], [], [], []
     cells = lib.gefen_cpu_lut_cells()
-    for p, g, st, h, levels, mids, bits in work:
+    for p, g, st, h, levels, mids, bits, *given in work:
         if st.numel == 0:
             continue
-        rows.append(table.row(p, g, st, levels, mids, bits, h.step))
+        f = given[0] if given else local_factor(g, st, h)
+        factors.append(f)  # alive until the call returns
+        rows.append(table.row(p, g, st, levels, mids, bits, h.step, f))
         hyps.append(table.hyper_row(h))
         blocked8 = st.block_size != 1 and bits == 8
         luts.append(code_table(mids, cells).data_ptr() if blocked8 else 0)
@@ -128,3 +135,26 @@ def step(work: list[tuple]) -> None:
     if rc != 0:
         bad = rows[-rc - 1]
         raise RuntimeError(f"gefen_cpu_step refused a segment (dtypes, bits or block): {bad}")
+
+
+def cross_sums(
+    g: torch.Tensor, start: int, block_size: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.cross_sums`` in one pass over g, both threads (each entry's sum in a fixed
+    order, so the result does not depend on the thread count); g a flat contiguous CPU view."""
+    lib = load()
+    sums = torch.zeros(length, dtype=torch.float64)
+    counts = torch.zeros(length, dtype=torch.float64)
+    rc = lib.gefen_cpu_cross_sums(
+        g.data_ptr(),
+        table.DTYPES[g.dtype],
+        start,
+        g.numel(),
+        block_size,
+        sums.data_ptr(),
+        counts.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"gefen_cpu_cross_sums refused a {g.dtype} gradient")
+    return sums, counts

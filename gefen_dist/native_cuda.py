@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import segment_table as table
-from .reference import Hyper, SegmentState
+from .reference import Hyper, SegmentState, local_factor
 from .segments import num_blocks
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -110,7 +110,7 @@ def _verified(device: torch.device) -> bool:
 def _self_check(device: torch.device) -> None:
     from . import codebook as cb
     from .codes import midpoints
-    from .reference import block_update, column_update, dense_update
+    from .reference import block_update, column_update, cross_length, dense_update
 
     gen = torch.Generator().manual_seed(0)
     for bits, dtype, start, numel, block in [
@@ -136,6 +136,7 @@ def _self_check(device: torch.device) -> None:
                 )
                 st.absmax = torch.zeros(nb, device=device)
                 st.v = torch.zeros(nb, device=device)
+                st.v_cross = torch.zeros(cross_length(block, start + numel), device=device)
             sts.append(st)
             ps.append(p0.clone())
         for t in range(1, 4):
@@ -153,7 +154,8 @@ def _self_check(device: torch.device) -> None:
         err = ((ps[1].float() - ps[0].float()).abs() / ps[0].float().abs().clamp_min(1e-3)).max()
         if not err <= tol:
             raise RuntimeError(f"parameters differ by {err.item():.3g} (bits={bits}, B={block})")
-        pairs = [("v", 1e-5), ("absmax", 1e-5)] if block != 1 else [("exp_avg_sq", 1e-5)]
+        pairs = [("v", 1e-5), ("absmax", 1e-5), ("v_cross", 1e-5)]
+        pairs = pairs if block != 1 else [("exp_avg_sq", 1e-5)]
         for k, rtol in pairs:
             a, b = getattr(sts[1], k), getattr(sts[0], k)
             if not ((a - b).abs() <= rtol * b.abs() + 1e-30).all():
@@ -180,9 +182,9 @@ def _table(rows, hyps, counts, device):
 
 
 def step(work: list[tuple]) -> None:
-    """Run every (p, g, segment views, Hyper, levels, mids, bits) of one device: three
+    """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor]) of one device: three
     launches for all blocked and B = 1 segments, then three per column segment. Flat 1-D
-    contiguous views; the optimizer guarantees it."""
+    contiguous views; the optimizer guarantees it. ``factor`` as ``native_cpu.step``'s."""
     ext = load()
     if not work:
         return
@@ -195,13 +197,15 @@ def step(work: list[tuple]) -> None:
     }
     tile = ext.DENSE_TILE
     columns = []
-    for p, g, st, h, levels, mids, bits in work:
+    factors = []  # this step's cross factors, alive until the launches are queued
+    for p, g, st, h, levels, mids, bits, *given in work:
         if st.numel == 0:
             continue
         if p.device != device or g.device != device:
             raise ValueError("Gefen's CUDA step got tensors on several devices in one call")
+        f = given[0] if given else local_factor(g, st, h)
         if st.block_size < 0:
-            columns.append((p, g, st, h, levels, mids, bits))
+            columns.append((p, g, st, h, levels, mids, bits, f))
             continue
         if st.block_size == 1:
             key, count = "dense", -(-st.numel // tile)
@@ -209,7 +213,8 @@ def step(work: list[tuple]) -> None:
             key = "wide" if st.block_size >= WIDE else "narrow"
             count = num_blocks(st.start, st.numel, st.block_size)
         rows, hyps, counts = groups[key]
-        rows.append(table.row(p, g, st, levels, mids, bits, h.step))
+        rows.append(table.row(p, g, st, levels, mids, bits, h.step, f))
+        factors.append(f)
         hyps.append(table.hyper_row(h))
         counts.append(count)
     with torch.cuda.device(device):
@@ -240,6 +245,7 @@ def _column_step(
     levels: torch.Tensor,
     mids: torch.Tensor,
     bits: int,
+    f: torch.Tensor | None,
 ) -> None:
     """One column segment (``st.block_size`` = -P), as ``reference.column_update``."""
     period = -st.block_size
@@ -251,7 +257,7 @@ def _column_step(
     device = p.device
     with torch.cuda.device(device):
         meta, hyp, _, _ = _table(
-            [table.row(p, g, st, levels, mids, bits, h.step)], [table.hyper_row(h)], [0], device
+            [table.row(p, g, st, levels, mids, bits, h.step, f)], [table.hyper_row(h)], [0], device
         )
         part_sum = torch.empty(chunks * nb, dtype=torch.float64, device=device)
         part_max = torch.empty(chunks * nb, dtype=torch.float32, device=device)

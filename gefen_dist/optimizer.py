@@ -28,7 +28,16 @@ from torch.optim import Optimizer
 from . import codebook as cb
 from . import native_cpu, native_cuda, partition, sharding, state
 from .codes import midpoints
-from .reference import CHUNK, Hyper, block_update, column_update, dense_update
+from .reference import (
+    CHUNK,
+    Hyper,
+    block_update,
+    column_update,
+    cross_factor,
+    cross_mean,
+    cross_sums,
+    dense_update,
+)
 from .segments import Segment, block_chunks, block_runs, column_chunks
 
 try:
@@ -87,6 +96,7 @@ class Gefen(Optimizer):
         self._warned: set[str] = set()
         self._views: dict[torch.Tensor, tuple] = {}
         self._pending_install: list[tuple[torch.Tensor, dict]] = []
+        self._cross_slots: dict[str, tuple[int, int]] | None = None
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(Gefen._stash_state)
         self.register_load_state_dict_post_hook(Gefen._install_state)
@@ -267,6 +277,7 @@ class Gefen(Optimizer):
         if steps:
             torch._foreach_add_(steps, 1)  # one call, not one per tensor
         impls: dict[tuple, str] = {}
+        items: list[tuple] = []  # (impl, p, g, segment state, hyper, levels, mids, bits, key)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -281,7 +292,7 @@ class Gefen(Optimizer):
                     weight_decay=group["weight_decay"],
                     step=int(st["step"].item()),
                 )
-                levels, mids, views = self._prepared(p, st)
+                levels, mids, views, keys = self._prepared(p, st)
                 bits = state.bits_of(levels)
                 flat_p = _flat(sharding.local(p), p, self)
                 flat_g = _flat(sharding.local(p.grad), p, self)
@@ -292,25 +303,28 @@ class Gefen(Optimizer):
                 if impl is None:
                     impl = impls[key] = self._impl(flat_p, flat_g)
                 whole = len(views) == 1 and views[0][1].numel == flat_p.numel()
-                for offset, seg in views:
+                for (offset, seg), name in zip(views, keys, strict=True):
                     if whole:
                         ps, gs = flat_p, flat_g
                     else:
                         ps = flat_p[offset : offset + seg.numel]
                         gs = flat_g[offset : offset + seg.numel]
-                    if impl == "cuda":
-                        cuda_work.append((ps, gs, seg, h, levels, mids, bits))
-                    elif impl == "cpu":
-                        cpu_work.append((ps, gs, seg, h, levels, mids, bits))
-                    elif seg.block_size == 1:
-                        dense_update(ps, gs, seg, h)
-                    elif seg.block_size < 0:
-                        update = cpu_kernel.column_update if impl == "numba" else column_update
-                        update(ps, gs, seg, h, levels, mids, bits)
-                    elif impl == "numba":
-                        cpu_kernel.block_update(ps, gs, seg, h, levels, mids, bits)
-                    else:
-                        block_update(ps, gs, seg, h, levels, mids, bits)
+                    items.append((impl, ps, gs, seg, h, levels, mids, bits, name))
+        factors = self._cross_factors(items)
+        for (impl, ps, gs, seg, h, levels, mids, bits, _), f in zip(items, factors, strict=True):
+            if impl == "cuda":
+                cuda_work.append((ps, gs, seg, h, levels, mids, bits, f))
+            elif impl == "cpu":
+                cpu_work.append((ps, gs, seg, h, levels, mids, bits, f))
+            elif seg.block_size == 1:
+                dense_update(ps, gs, seg, h)
+            elif seg.block_size < 0:
+                update = cpu_kernel.column_update if impl == "numba" else column_update
+                update(ps, gs, seg, h, levels, mids, bits, f)
+            elif impl == "numba":
+                cpu_kernel.block_update(ps, gs, seg, h, levels, mids, bits, f)
+            else:
+                block_update(ps, gs, seg, h, levels, mids, bits, f)
         native_cpu.step(cpu_work)
         for device in {w[0].device for w in cuda_work}:
             native_cuda.step([w for w in cuda_work if w[0].device == device])
@@ -366,14 +380,84 @@ class Gefen(Optimizer):
             )
 
     def _prepared(self, p: torch.Tensor, st: dict) -> tuple:
-        """Codebook, its midpoints and the per-segment views of ``st``, computed once per state
+        """Codebook, its midpoints, the per-segment views of ``st`` and, per segment, the name of
+        its tensor where that tensor is spread over ranks (else None), computed once per state
         (a load or a re-initialisation brings new tensors, hence new ones)."""
         hit = self._views.get(p)
         if hit is None or hit[0] is not st["codes"] or hit[1] is not st["codebook"]:
             levels = st["codebook"]
-            hit = (st["codes"], levels, midpoints(levels), state.segment_views(st))
+            spread = [
+                s.name if s.name and s.numel < s.tensor_numel else None
+                for s in self._segments_for(p)
+            ]
+            hit = (st["codes"], levels, midpoints(levels), state.segment_views(st), spread)
             self._views[p] = hit
-        return hit[1], hit[2], hit[3]
+        return hit[1:]
+
+    def _cross_factors(self, items: list[tuple]) -> list[torch.Tensor | None]:
+        """This step's ``reference.cross_factor`` per segment (None where it has none): from the
+        segment's own g where it holds its whole tensor; from the sums over every rank's piece
+        where the tensor is spread, all such tensors in one all-reduce, so each rank takes the
+        single-process step. Every rank reduces the whole table, zeros for tensors it does not
+        step in this call: ZeRO steps one group at a time, all ranks the same group."""
+        out: list[torch.Tensor | None] = [None] * len(items)
+        slots = self._cross_table()
+        total = sum(n for _, n in slots.values())
+        buf = None
+        if total:
+            buf = torch.zeros(2 * total, dtype=torch.float64, device=self._comm_device())
+        spread = []
+        for i, (impl, _, g, seg, h, _, _, _, name) in enumerate(items):
+            if seg.v_cross is None or seg.v_cross.numel() == 0:
+                continue
+            sums_of = native_cpu.cross_sums if impl == "cpu" else cross_sums
+            sums, counts = sums_of(g, seg.start, seg.block_size, seg.v_cross.numel())
+            if name is None:
+                out[i] = cross_factor(seg, h, cross_mean(sums, counts))
+                continue
+            if buf is None or name not in slots:
+                raise RuntimeError(f"tensor {name!r} is spread over ranks but has no cross slot")
+            at, n = slots[name]
+            buf[at : at + n] += sums.to(buf.device)
+            buf[total + at : total + at + n] += counts.to(buf.device)
+            spread.append((i, at, n))
+        if buf is not None:
+            dist.all_reduce(buf, group=self._group)
+            for i, at, n in spread:
+                seg, h = items[i][3], items[i][4]
+                mean = cross_mean(buf[at : at + n], buf[total + at : total + at + n])
+                out[i] = cross_factor(seg, h, mean.to(seg.v_cross.device))
+        return out
+
+    def _cross_table(self) -> dict[str, tuple[int, int]]:
+        """Where each tensor spread over ranks puts its v_cross sums in the per-step all-reduce:
+        name -> (offset, entries), the same on every rank (agreed once, by an all-gather, after
+        each initialisation or load)."""
+        if self._group is None:
+            return {}
+        if self._cross_slots is None:
+            local: dict[str, int] = {}
+            for p, st in self.state.items():
+                if not st:
+                    continue
+                for seg, row in zip(self._segments_for(p), st["layout"].tolist(), strict=True):
+                    if seg.name and seg.numel < seg.tensor_numel and row[4]:
+                        local[seg.name] = row[4]
+            every: list[dict] = [{} for _ in range(dist.get_world_size(self._group))]
+            dist.all_gather_object(every, local, group=self._group)
+            merged: dict[str, int] = {}
+            for other in every:
+                for name, n in other.items():
+                    if merged.setdefault(name, n) != n:
+                        raise RuntimeError(
+                            f"ranks disagree on the v_cross entries of {name!r} "
+                            f"({merged[name]} and {n}): different block sizes on different ranks"
+                        )
+            self._cross_slots, at = {}, 0
+            for name in sorted(merged):
+                self._cross_slots[name] = (at, merged[name])
+                at += merged[name]
+        return self._cross_slots
 
     def _initialize(self, pending: list[tuple[torch.Tensor, dict]]) -> None:
         """Partition newly seen parameters; learn the codebooks if this is the first time."""
@@ -426,6 +510,7 @@ class Gefen(Optimizer):
         for p, group, segs, keys in plan:
             blocks = [block_of[k] for k in keys]
             self.state[p] = state.allocate(segs, blocks, self._codebooks[group["bits"]], p.device)
+        self._cross_slots = None  # new tensors may be spread: agree on the table again
 
     # -- checkpoints -------------------------------------------------------------------------
     @staticmethod
@@ -450,8 +535,10 @@ class Gefen(Optimizer):
             bits = saved.get("bits", group["bits"])
             for pid, p in zip(saved["params"], group["params"], strict=True):
                 if pid in saved_state:
-                    state.check_loaded(saved_state[pid], opt._segments_for(p), bits, opt._name(p))
-                    install.append((p, saved_state[pid]))
+                    segs = opt._segments_for(p)
+                    saved_p = state.upgrade(saved_state[pid], segs)
+                    state.check_loaded(saved_p, segs, bits, opt._name(p))
+                    install.append((p, saved_p))
         opt._pending_install = install
         return {**state_dict, "state": {}}
 
@@ -461,6 +548,7 @@ class Gefen(Optimizer):
         opt.state.clear()
         opt._codebooks.clear()
         opt._initialized = False
+        opt._cross_slots = None
         for p, st in opt._pending_install:
             new = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in st.items()}
             opt.state[p] = {k: new[k] for k in state.STATE_KEYS}
@@ -469,18 +557,25 @@ class Gefen(Optimizer):
 
     # -- reporting ---------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
-        """State bytes per parameter tensor and in total, next to what AdamW would keep."""
+        """State bytes per parameter tensor and in total, next to what AdamW would keep.
+        ``spread_v_cross``: v_cross entries this rank keeps for tensors spread over ranks, by
+        tensor; each rank holding a piece keeps a copy (4 bytes an entry), the one state that
+        sharding duplicates."""
         rows = []
+        spread: dict[str, int] = {}
         for p, st in self.state.items():
             if st:
                 layout = st["layout"].tolist()
-                fallback = sum(n for _, n, _, bs in layout if bs == 1)
+                for seg, r in zip(self._segments_for(p), layout, strict=True):
+                    if seg.name and seg.numel < seg.tensor_numel and r[4]:
+                        spread[seg.name] = spread.get(seg.name, 0) + r[4]
+                fallback = sum(r[1] for r in layout if r[3] == 1)
                 rows.append(
                     dict(
                         name=self._name(p),
                         shape=tuple(p.shape),
                         numel=sharding.local(p).numel(),
-                        block_sizes=sorted({bs for *_, bs in layout}),
+                        block_sizes=sorted({r[3] for r in layout}),
                         fallback_numel=fallback,
                         state_bytes=state.state_bytes(st),
                         adamw_bytes=8 * sharding.local(p).numel(),
@@ -495,6 +590,7 @@ class Gefen(Optimizer):
             bytes_per_param=total / params if params else 0.0,
             adamw_bytes=8 * params,
             fallback_numel=sum(r["fallback_numel"] for r in rows),
+            spread_v_cross=spread,
             bits=sorted(self._codebooks),
             backend=self._backend_in_use(),
         )

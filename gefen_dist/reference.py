@@ -14,6 +14,28 @@ formulas with the block's elements strided by P; as v and the new absmax of a co
 its rows before any parameter or code can be written, ``column_update`` reads the segment twice,
 recomputing m in the second pass (the same fp32 operations, so the same m) instead of storing it.
 
+The second moment is factored (``cross_factor``): a tensor of at least MIN_CROSS_BLOCKS blocks
+also keeps ``v_cross``, one v per position across its blocks (position i mod B of contiguous
+blocks, so column j of the (n / B, B) view; the tensor's row for column blocks), an EMA of the
+mean g^2 over the blocks at that position. Element (block b, position j) then divides by
+
+    sqrt(v_b * c_j) / sqrt(1 - b2^t) + eps,   c_j = max(v_cross_j / mean(v_cross), CROSS_FLOOR)
+
+Adafactor's rank-1 fit of v, with Gefen's block v as one factor. Why: one v per block cannot follow
+how g^2 varies across a block (an input feature's scale, along every row), and that cost 3-7 %
+validation loss on the suite's language models (README, "One-axis sharing"); c costs at
+most 4 / MIN_CROSS_BLOCKS bytes per parameter, ~0.01 on the suite's language models. c is a
+ratio, so it needs no bias correction, and a v_cross that starts from zeros (a checkpoint saved
+before it existed) is exact again after one step. CROSS_FLOOR bounds how far a position that has
+seen (almost) no gradient can shrink its denominator: there the quantised m keeps an error of up
+to a level spacing times the block's absmax, which an exact m would not have, and
+1 / sqrt(CROSS_FLOOR) = 10 caps how much c can amplify it.
+
+v_cross belongs to the tensor, not to a piece: positions and rows are the tensor's, and a tensor
+spread over ranks (FSDP, ZeRO) has its per-entry sums of g^2 (``cross_sums``) added over the
+ranks by one all-reduce per step before ``cross_factor``, so every rank holding a piece keeps the
+single-process v_cross (a copy each) and takes the single-process step.
+
 The parameter moves with the unquantised m of this step; only what is stored is quantised, so the
 quantisation error enters once per step instead of compounding through the update. Segments with
 B = 1 keep exact AdamW state (fp32 m and v) and follow torch.optim.AdamW's operations.
@@ -28,9 +50,9 @@ and a resumed run continues exactly. Measured: ``benchmarks/sharing_ablation.py 
 (README, "Quality").
 
 Memory: work goes chunk by chunk. A chunk holds whole blocks and at most max(CHUNK, B) elements,
-and the temporaries of one chunk are at most ~40 bytes per element (fp32 copies of g, m, p and the
-int64 indices that gather and bucketize produce), so a step allocates at most
-40 * max(CHUNK, MAX_BLOCK) bytes = 5 MiB beyond the state, whatever the parameter's size.
+and the temporaries of one chunk are at most ~44 bytes per element (fp32 copies of g, m, p, a
+factored denominator and the int64 indices that gather and bucketize produce), so a step allocates
+at most 44 * max(CHUNK, MAX_BLOCK) bytes = 5.5 MiB beyond the state, whatever the parameter's size.
 Maths is fp32 for fp32, bf16 and fp16 parameters and gradients.
 """
 
@@ -45,6 +67,9 @@ from .codes import quantize, read_codes, stochastic_quantize, uniforms, write_co
 from .segments import block_chunks, column_chunks
 
 CHUNK = 1 << 17
+CROSS_FLOOR = 1e-2
+CROSS_CHUNK = 1 << 16
+MIN_CROSS_BLOCKS = 16
 
 
 @dataclass
@@ -77,6 +102,92 @@ class SegmentState:
     v: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
+    v_cross: torch.Tensor | None = None
+
+
+def cross_length(block_size: int, tensor_numel: int) -> int:
+    """Entries of a tensor's ``v_cross``: its B positions for contiguous blocks, its rows for
+    column blocks; none for B = 1 or a tensor of fewer than MIN_CROSS_BLOCKS blocks, where the
+    factor would cost more than 4 / MIN_CROSS_BLOCKS bytes per parameter (and a tensor of two or
+    three blocks is better served by their own v's). A function of the tensor, not of the
+    piece, so every rank that holds a piece keeps the same entries."""
+    if block_size > 1:
+        return block_size if -(-tensor_numel // block_size) >= MIN_CROSS_BLOCKS else 0
+    if block_size < 0:
+        rows = -(-tensor_numel // -block_size)
+        return rows if -block_size >= MIN_CROSS_BLOCKS and rows > 1 else 0
+    return 0
+
+
+def cross_sums(
+    g: torch.Tensor, start: int, block_size: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 sums of g^2, and element counts, at each entry of the tensor's ``v_cross`` over one
+    piece (elements ``start``, ``start + 1``, ... of the tensor): position (start + i) mod B,
+    or row (start + i) div P. Sums over pieces on several ranks add up to the whole tensor's;
+    fixed chunks of CROSS_CHUNK (not CHUNK) keep the update's chunking out of the result."""
+    sums = torch.zeros(length, dtype=torch.float64, device=g.device)
+    counts = torch.zeros(length, dtype=torch.float64, device=g.device)
+    numel, contiguous = g.numel(), block_size > 0
+    width = block_size if contiguous else -block_size
+    first = start % width
+    head = min((-start) % width, numel)
+    if head:
+        x = g[:head].double().square()
+        at = first if contiguous else start // width
+        if contiguous:
+            sums[at : at + head] += x
+            counts[at : at + head] += 1.0
+        else:
+            sums[at] += x.sum()
+            counts[at] += head
+    whole = (numel - head) // width
+    row0 = -(-start // width)  # the tensor row of the first whole row
+    per = max(1, CROSS_CHUNK // width)
+    for r0 in range(0, whole, per):
+        r1 = min(r0 + per, whole)
+        x = g[head + r0 * width : head + r1 * width].double().view(-1, width).square()
+        if contiguous:
+            sums += x.sum(dim=0)
+        else:
+            sums[row0 + r0 : row0 + r1] += x.sum(dim=1)
+            counts[row0 + r0 : row0 + r1] += width
+    if contiguous:
+        counts += float(whole)
+    tail = numel - head - whole * width
+    if tail:
+        x = g[numel - tail :].double().square()
+        if contiguous:
+            sums[:tail] += x
+            counts[:tail] += 1.0
+        else:
+            sums[row0 + whole] += x.sum()
+            counts[row0 + whole] += tail
+    return sums, counts
+
+
+def cross_mean(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mean g^2 per entry (fp32); 0 where no element was seen (a piece's own entries only)."""
+    return torch.where(counts > 0, sums / counts.clamp(min=1.0), 0.0).float()
+
+
+def cross_factor(st: SegmentState, h: Hyper, mean_sq: torch.Tensor) -> torch.Tensor:
+    """Fold this step's mean g^2 per entry into ``st.v_cross`` and return sqrt(c) / sqrt(1 -
+    b2^t) per entry (module docstring). Every rank holding a piece of the tensor gets the same
+    ``mean_sq`` (the optimizer sums ``cross_sums`` over them), hence the same v_cross."""
+    st.v_cross.mul_(h.beta2).add_(mean_sq, alpha=1.0 - h.beta2)
+    total = st.v_cross.mean()
+    c = st.v_cross / torch.where(total > 0, total, torch.ones_like(total))
+    return c.clamp_(min=CROSS_FLOOR).sqrt_().div_(h.bc2_sqrt)
+
+
+def local_factor(g: torch.Tensor, st: SegmentState, h: Hyper) -> torch.Tensor | None:
+    """The factor from the segment's own elements, or None for a segment without one: exact
+    for a whole tensor; the optimizer computes it from every rank's piece instead."""
+    if st.v_cross is None or st.v_cross.numel() == 0:
+        return None
+    sums, counts = cross_sums(g, st.start, st.block_size, st.v_cross.numel())
+    return cross_factor(st, h, cross_mean(sums, counts))
 
 
 def dense_update(p: torch.Tensor, g: torch.Tensor, st: SegmentState, h: Hyper) -> None:
@@ -103,9 +214,15 @@ def block_update(
     levels: torch.Tensor,
     mids: torch.Tensor,
     bits: int,
+    factor: torch.Tensor | None = None,
 ) -> None:
-    """Shared-v, quantised-m update of one segment (flat views ``p`` and ``g`` of its elements)."""
-    for c in block_chunks(st.start, st.numel, st.block_size, CHUNK):
+    """Block-v, quantised-m update of one segment (flat views ``p`` and ``g`` of its elements);
+    ``factor``: this step's ``cross_factor`` of its tensor, or None to compute it from the
+    segment alone (``local_factor``)."""
+    f = local_factor(g, st, h) if factor is None else factor
+    b = st.block_size
+    for c in block_chunks(st.start, st.numel, b, CHUNK):
+        pos = (st.start + c.elem) % b
         _update_blocks(
             p[c.elem : c.end].view(c.rows, c.length),
             g[c.elem : c.end].view(c.rows, c.length),
@@ -117,10 +234,11 @@ def block_update(
             levels,
             mids,
             bits,
+            None if f is None else f[pos : pos + c.length],
         )
 
 
-def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits) -> None:
+def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     g32 = g.float()
     absmax, v = st.absmax[blocks], st.v[blocks]
     m = levels[read_codes(st.codes, a, b, bits).long()].view_as(g32).mul_(absmax[:, None])
@@ -128,8 +246,11 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits) -> None:
     v.mul_(h.beta2).add_(g32.square().mean(dim=1), alpha=1.0 - h.beta2)
     p32 = p if p.dtype == torch.float32 else p.float()
     p32.mul_(1.0 - h.lr * h.weight_decay)
-    denom = (v.sqrt() / h.bc2_sqrt).add_(h.eps)
-    p32.addcdiv_(m, denom[:, None], value=-h.step_size)
+    if f is None:
+        denom = (v.sqrt() / h.bc2_sqrt).add_(h.eps)[:, None]
+    else:
+        denom = (v.sqrt()[:, None] * f[None, :]).add_(h.eps)
+    p32.addcdiv_(m, denom, value=-h.step_size)
     if p32 is not p:
         p.copy_(p32)
     amax = m.abs().amax(dim=1)
@@ -162,8 +283,11 @@ def column_update(
     levels: torch.Tensor,
     mids: torch.Tensor,
     bits: int,
+    factor: torch.Tensor | None = None,
 ) -> None:
-    """Shared-v, quantised-m update of a segment with column blocks (``st.block_size`` = -P)."""
+    """Block-v, quantised-m update of a segment with column blocks (``st.block_size`` = -P);
+    ``factor`` as ``block_update``'s, one entry per row of the tensor."""
+    f = local_factor(g, st, h) if factor is None else factor
     period, n = -st.block_size, st.numel
     nb = st.absmax.numel()
     sum_sq = torch.zeros(nb, dtype=torch.float32, device=p.device)
@@ -175,19 +299,38 @@ def column_update(
     count = torch.full((nb,), float(n // period), device=p.device)
     count[: n % period] += 1.0
     st.v.mul_(h.beta2).add_(sum_sq / count, alpha=1.0 - h.beta2)
-    denom = (st.v.sqrt() / h.bc2_sqrt).add_(h.eps)
+    sqrt_v = st.v.sqrt()
+    denom = (sqrt_v / h.bc2_sqrt).add_(h.eps)
     scale = torch.where(amax > 0, amax, torch.ones_like(amax))
     for a, b, m, _ in _column_rows(g, st, h, levels, bits, period):
         w = m.shape[1]
         pc = p[a:b].view(-1, w)
         p32 = pc if pc.dtype == torch.float32 else pc.float()
         p32.mul_(1.0 - h.lr * h.weight_decay)
-        p32.addcdiv_(m, denom[:w], value=-h.step_size)
+        d = denom[:w]
+        if f is not None:
+            d = _row_denominator(sqrt_v[:w], f, st.start + a, m.shape[0], period, h)
+        p32.addcdiv_(m, d, value=-h.step_size)
         if p32 is not pc:
             pc.copy_(p32)
         codes = requantize(m / scale[:w], st.start + a, h.step, levels, mids, bits)
         write_codes(st.codes, a, b, codes, bits)
     st.absmax.copy_(amax)
+
+
+def _row_denominator(sqrt_v, f, first, rows, period, h):
+    """sqrt(v) of each column times the factor of each element's tensor row, plus eps, for
+    ``rows`` rows of the segment's view whose first element is the tensor's ``first``: where a
+    piece starts mid-row its view's rows straddle two tensor rows, columns from ``cut`` on lying
+    in the next."""
+    w = sqrt_v.numel()
+    r0, cut = first // period, period - first % period
+    fr = f[r0 : r0 + rows + (1 if cut < w else 0)]
+    if cut >= w:
+        return (sqrt_v[None, :] * fr[:, None]).add_(h.eps)
+    cols = torch.arange(w, device=f.device)
+    per = torch.where(cols[None, :] < cut, fr[:rows, None], fr[1:, None])
+    return (sqrt_v[None, :] * per).add_(h.eps)
 
 
 def _column_rows(g, st, h, levels, bits, period):

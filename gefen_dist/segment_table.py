@@ -17,7 +17,7 @@ from .codes import step_key
 from .reference import Hyper, SegmentState
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-META_COLS = 17
+META_COLS = 18
 HYP_COLS = 8
 
 
@@ -29,7 +29,9 @@ def row(
     mids: torch.Tensor,
     bits: int,
     step: int,
+    factor: torch.Tensor | None = None,
 ) -> list[int]:
+    """``factor``: this step's ``reference.cross_factor`` of the segment, or None."""
     blocked = st.block_size != 1
     return [
         p.data_ptr(),
@@ -49,6 +51,7 @@ def row(
         0 if blocked else st.exp_avg_sq.data_ptr(),
         levels.numel() if blocked else 0,
         step_key(step),
+        0 if factor is None else factor.data_ptr(),
     ]
 
 

@@ -61,3 +61,13 @@ def read_results(out_dir: Path) -> list[dict]:
     """Each rank writes rank{r}.json; returns them in rank order."""
     files = sorted(out_dir.glob("rank*.json"))
     return [json.loads(f.read_text()) for f in files]
+
+
+def duplicated_cross_bytes(memory_reports: list[dict]) -> int:
+    """Bytes of v_cross beyond one copy per tensor: every rank that holds a piece of a tensor
+    spread over ranks keeps all of its v_cross (``Gefen.memory_report``'s spread_v_cross)."""
+    kept: dict[str, list[int]] = {}
+    for rep in memory_reports:
+        for name, entries in rep["spread_v_cross"].items():
+            kept.setdefault(name, []).append(entries)
+    return 4 * sum(sum(e) - max(e) for e in kept.values())

@@ -1,3 +1,4 @@
+import copy
 import subprocess
 import sys
 import textwrap
@@ -166,5 +167,52 @@ def test_a_step_allocates_no_parameter_sized_temporaries(tmp_path):
     out = subprocess.run([sys.executable, str(script)], check=True, capture_output=True, text=True)
     block, state_bytes, extra = map(int, out.stdout.split())
     assert block == 8192
-    assert state_bytes == 4096 * 8192 // 2 + 8 * 4096
+    assert state_bytes == 4096 * 8192 // 2 + 8 * 4096 + 4 * 8192  # codes, v and absmax, v_cross
     assert extra < 48 * 2**20, f"step allocated {extra / 2**20:.1f} MiB beyond its state"
+
+
+def _without_v_cross(sd):
+    """``sd`` as a Gefen from before the factored second moment saved it: 4-column layouts,
+    no v_cross."""
+    old = {k: {kk: vv for kk, vv in st.items() if kk != "v_cross"} for k, st in sd["state"].items()}
+    for st in old.values():
+        st["layout"] = st["layout"][:, :4].clone()
+    return {**sd, "state": old}
+
+
+def test_a_state_saved_before_v_cross_loads_and_refills_it_in_one_step():
+    """The factor is a ratio of v_cross's entries, so a v_cross loaded as zeros is the one a
+    fresh start would have: after one step it equals a run's whose v_cross was zeroed by hand."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = Gefen(model.parameters(), lr=3e-3, weight_decay=0.1)
+    _train(model, opt, 3)
+    factored = [st for st in opt.state.values() if st["v_cross"].numel()]
+    assert factored, "no tensor of the model keeps v_cross: the test checks nothing"
+    sd = opt.state_dict()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    runs = []
+    for old in (True, False):  # a loaded state shares its tensors: each run gets its own copy
+        model.load_state_dict(weights)
+        again = Gefen(model.parameters(), lr=3e-3, weight_decay=0.1)
+        again.load_state_dict(_without_v_cross(copy.deepcopy(sd)) if old else copy.deepcopy(sd))
+        if not old:
+            for st in again.state.values():
+                st["v_cross"].zero_()
+        assert all(st["layout"].shape[1] == 5 for st in again.state.values())
+        _train(model, again, 2, first=3)
+        runs.append({k: v.clone() for k, v in model.state_dict().items()})
+    for k in runs[0]:
+        assert torch.equal(runs[0][k], runs[1][k]), k
+
+
+def test_a_v_cross_of_the_wrong_length_is_refused_by_name():
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = Gefen(model.parameters(), lr=3e-3)
+    _train(model, opt, 1)
+    sd = opt.state_dict()
+    pid = next(k for k, st in sd["state"].items() if st["v_cross"].numel())
+    sd["state"][pid] = dict(sd["state"][pid], v_cross=sd["state"][pid]["v_cross"][:-1].clone())
+    with pytest.raises(ValueError, match="v_cross"):
+        Gefen(model.parameters(), lr=3e-3).load_state_dict(sd)

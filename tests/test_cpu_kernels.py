@@ -87,10 +87,16 @@ def _assert_step_close(pr, pn, sr, sn, bits, numel, absmax_atol):
     assert (diff > 0).float().mean() < 1e-3
 
 
-def _col_grad(numel, start, row, seed):
+def _col_grad(numel, start, row, seed, row_scale=False):
+    """Columns of different scales; with ``row_scale`` rows too (what v_cross follows; the
+    partition then no longer picks columns, so only for a given block size)."""
     g = torch.Generator().manual_seed(seed)
     cols = torch.exp(torch.randn(row, generator=g))
-    return cols[(torch.arange(numel) + start) % row] * torch.randn(numel, generator=g)
+    at = torch.arange(numel) + start
+    x = cols[at % row] * torch.randn(numel, generator=g)
+    if row_scale:
+        x *= torch.exp(torch.randn((start + numel) // row + 1, generator=g))[at // row]
+    return x
 
 
 @pytest.mark.parametrize("backend", ["native", "numba"])
@@ -104,7 +110,7 @@ def test_column_step_matches_reference(backend, bits, start, numel, shape):
     mid-row."""
     row = shape[1]
     (pr, pn), (orf, onb) = _pair(bits, start, numel, shape, backend, block=-row)
-    grads = [_col_grad(numel, start, row, 10 + t) for t in range(5)]
+    grads = [_col_grad(numel, start, row, 10 + t, row_scale=True) for t in range(5)]
     for sr, sn in _steps_from_reference_state((pr, pn), (orf, onb), grads):
         assert sr["v"].numel() == min(numel, row)
         # a piece shorter than a row has one-element columns, whose absmax is |m| itself: where
@@ -221,3 +227,34 @@ def test_missing_compiler_falls_back_with_a_warning(tmp_path):
     o.backend = "native"  # where the kernel builds, asking for it explicitly works
     o.param_groups[0]["params"][0].grad = torch.ones(3)
     o.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "start,numel,block,length",
+    [
+        (0, 96 * 200, 96, 96),  # whole rows
+        (37, 4001, 96, 96),  # cut head and tail blocks
+        (50, 30, 96, 96),  # a piece inside one block
+        (0, 96 * 200, -96, 200),  # columns: one entry per tensor row
+        (37, 4001, -96, 43),  # a piece starting mid-row
+        (5, 50, -97, 2),  # inside one row
+    ],
+)
+def test_native_cross_sums_match_reference(dtype, start, numel, block, length):
+    """The C++ pass that gathers v_cross's sums, against the reference's, in fp64: equal up to
+    summation order; and the same bits on one thread as on two."""
+    from gefen_dist import native_cpu, reference
+
+    g = (torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    want = reference.cross_sums(g, start, block, length)
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        outs.append(native_cpu.cross_sums(g, start, block, length))
+    torch.set_num_threads(1)
+    for got in outs:
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)
+        assert torch.equal(got[1], want[1])
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert want[1].sum() == numel

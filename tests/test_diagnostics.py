@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gefen_dist import Gefen, reference
-from gefen_dist import optimizer as gopt
+from gefen_dist import Gefen, state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,18 +35,19 @@ def _run(make, steps=6):
     return p.detach().clone(), opt
 
 
-def test_factored_second_moment_is_exact_on_rank_one_squares(monkeypatch):
-    """Where g^2 is exactly rank one, AdamW's v is too: the factored diagnostic must then track
-    AdamW to within m's quantisation, while row sharing cannot (its columns differ)."""
+def test_cross_factor_is_exact_on_rank_one_squares(monkeypatch):
+    """Where g^2 is exactly rank one, AdamW's v is too: Gefen's factored v must then track AdamW
+    to within m's quantisation, while the shared-v diagnostic (one v per row, the seeds' rule)
+    cannot, its columns differing."""
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
     adamw, _ = _run(lambda ps: torch.optim.AdamW(ps, **hyper))
-    shared, opt = _run(lambda ps: Gefen(ps, **hyper, bits=8))
+    factored, opt = _run(lambda ps: Gefen(ps, **hyper, bits=8))
     assert opt.memory_report()["tensors"][0]["block_sizes"] == [64]  # one row per block
-    for name in ("block_update", "column_update"):
-        monkeypatch.setattr(gopt, name, getattr(gopt, name))  # restored after the test
-    monkeypatch.setattr(gopt.Gefen, "_impl", gopt.Gefen._impl)
-    _script("sharing_ablation")._force_factored(gopt, reference)
-    factored, _ = _run(lambda ps: Gefen(ps, **hyper, bits=8))
+    assert opt.state[opt.param_groups[0]["params"][0]]["v_cross"].numel() == 64
+    monkeypatch.setattr(state, "cross_length", state.cross_length)  # restored after the test
+    _script("sharing_ablation")._force_shared()
+    shared, opt = _run(lambda ps: Gefen(ps, **hyper, bits=8))
+    assert opt.state[opt.param_groups[0]["params"][0]]["v_cross"].numel() == 0
     err_shared = (shared - adamw).norm() / adamw.norm()
     err_factored = (factored - adamw).norm() / adamw.norm()
     assert err_shared > 0.05, err_shared

@@ -24,7 +24,7 @@ import io
 
 import pytest
 import torch
-from dist_util import read_results, torchrun
+from dist_util import duplicated_cross_bytes, read_results, torchrun
 
 STEPS, BITS = 5, 8
 SETUPS = [
@@ -99,6 +99,8 @@ def test_the_layouts_exercise_cut_blocks_uneven_shards_and_padding(eq):
     assert r0["gpt/fsdp2/same"]["cut_blocks"] + r1["gpt/fsdp2/same"]["cut_blocks"] > 0
     assert r0["odd/fsdp1_flat/same"]["cut_blocks"] + r1["odd/fsdp1_flat/same"]["cut_blocks"] > 0
     assert r0["odd/fsdp1_flat/same"]["padding"] + r1["odd/fsdp1_flat/same"]["padding"] == 1
+    for setup in ("fsdp1_flat", "fsdp1_orig", "fsdp2"):  # factored tensors split over ranks
+        assert r0[f"gpt/{setup}/same"]["memory"]["spread_v_cross"], setup
     # rows 51/50 of fc.weight (101, 63), 4/3 of out.weight (7, 101) and out.bias (7,)
     uneven = r0["odd/fsdp2/same"]["memory"]["params"] - r1["odd/fsdp2/same"]["memory"]["params"]
     assert uneven == 63 + 101 + 1
@@ -106,11 +108,13 @@ def test_the_layouts_exercise_cut_blocks_uneven_shards_and_padding(eq):
 
 @pytest.mark.parametrize("kind,setup", SETUPS, ids=_ids(SETUPS))
 def test_state_bytes_are_the_single_process_ones_split_over_ranks(eq, kind, setup):
-    """Sharding adds only one v and absmax per cut piece and B = 1 state for padding."""
+    """Sharding adds only one v and absmax per cut piece, B = 1 state for padding, and a copy
+    of v_cross per further rank holding a piece of a factored tensor."""
     runs = [r[f"{kind}/{setup}/same"] for r in eq]
     total = sum(run["memory"]["state_bytes"] for run in runs)
     ref = eq[0][f"{kind}/ref"]["state_bytes"]
     extra = sum(8 * run["cut_blocks"] + 8 * run["padding"] for run in runs)
+    extra += duplicated_cross_bytes([run["memory"] for run in runs])
     assert ref <= total <= ref + extra
     for run in runs:
         assert run["memory"]["state_bytes"] < run["memory"]["adamw_bytes"]

@@ -48,27 +48,43 @@ def test_no_sharing_matches_adamw(dtype_wd):
 # The block update against a naive, unchunked statement of METHOD.md section 4
 
 
-def naive_gefen(p, grads, lr, betas, eps, wd, block, levels, start=0):
-    """Per-block AdamW with shared v and an m stored as codebook level * absmax: the nearest
+def naive_gefen(p, grads, lr, betas, eps, wd, block, levels, start=0, tensor_numel=None):
+    """Per-block AdamW with v = (v of the block) x (the factor of the element's position across
+    blocks: its column of the tensor's (n / B, B) view, or its row for column blocks; relative to
+    the factors' mean, at least reference.CROSS_FLOOR) when the tensor has at least
+    reference.MIN_CROSS_BLOCKS blocks, and an m stored as codebook level * absmax: the nearest
     level at 8 bits; at 4 bits one of the two around it, the upper one when u * spacing <
-    distance above the lower, u = codes.uniforms(step, index in the tensor)."""
+    distance above the lower, u = codes.uniforms(step, index in the tensor). A piece (``start``
+    > 0 or a tensor longer than it) estimates the factor from its own elements."""
     n = p.numel()
+    total = start + n if tensor_numel is None else tensor_numel
+    width = abs(block)
     if block < 0:  # columns: elements the same distance apart as a row's length share a block
-        ids, nb = (torch.arange(n) + start) % -block, -block
+        ids, nb = (torch.arange(n) + start) % width, width
+        pos, npos = (torch.arange(n) + start) // width, -(-total // width)  # the tensor's rows
+        factored = width >= reference.MIN_CROSS_BLOCKS and npos > 1
     else:
         ids = (torch.arange(n) + start) // block
         ids = ids - ids[0]
         nb = int(ids[-1]) + 1
+        pos, npos = (torch.arange(n) + start) % block, block  # the position in a block
+        factored = -(-total // block) >= reference.MIN_CROSS_BLOCKS
     m_q = torch.zeros(n)
     v = torch.zeros(nb)
+    cross = torch.zeros(npos)
     p = p.clone()
     for t, g in enumerate(grads, 1):
         m = betas[0] * m_q + (1 - betas[0]) * g
         cnt = torch.zeros(nb).index_add_(0, ids, torch.ones(n))
         v = betas[1] * v + (1 - betas[1]) * torch.zeros(nb).index_add_(0, ids, g * g) / cnt
+        per = torch.zeros(npos).index_add_(0, pos, torch.ones(n))
+        sq = torch.zeros(npos).index_add_(0, pos, g * g) / per.clamp(min=1)
+        cross = betas[1] * cross + (1 - betas[1]) * sq
+        c = (cross / cross.mean()).clamp(min=reference.CROSS_FLOOR)
+        v_elem = v[ids] * c[pos] if factored else v[ids]
         p = p * (1 - lr * wd)
-        denom = (v / (1 - betas[1] ** t)).sqrt() + eps
-        p = p - lr / (1 - betas[0] ** t) * m / denom[ids]
+        denom = (v_elem / (1 - betas[1] ** t)).sqrt() + eps
+        p = p - lr / (1 - betas[0] ** t) * m / denom
         amax = torch.zeros(nb).scatter_reduce(0, ids, m.abs(), "amax")
         scaled = m / torch.where(amax > 0, amax, 1.0)[ids]
         if levels.numel() == 16:
@@ -113,7 +129,8 @@ def test_block_update_matches_naive_spec(bits, start, numel, block, monkeypatch)
         p.grad = g.clone()
         opt.step()
     levels = opt.state[p]["codebook"]
-    want = naive_gefen(p0, grads, 1e-2, (0.9, 0.999), 1e-8, 0.1, block, levels, start)
+    total = math.prod(shape)
+    want = naive_gefen(p0, grads, 1e-2, (0.9, 0.999), 1e-8, 0.1, block, levels, start, total)
     torch.testing.assert_close(p.detach(), want, atol=2e-6, rtol=1e-5)
 
 
@@ -361,8 +378,9 @@ def test_four_bit_state_is_packed():
     st = opt.state[p]
     assert st["codes"].numel() == math.ceil(p.numel() / 2)
     assert st["absmax"].numel() == st["v"].numel() == 301
+    assert st["v_cross"].numel() == 96  # one per column across the row blocks
     assert opt.memory_report()["bytes_per_param"] == pytest.approx(
-        (math.ceil(p.numel() / 2) + 8 * 301) / p.numel()
+        (math.ceil(p.numel() / 2) + 8 * 301 + 4 * 96) / p.numel()
     )
     assert unpack4(st["codes"], p.numel()).max() < 16
 
@@ -417,7 +435,7 @@ def test_columns_are_chosen_reported_and_resume_exactly(bits):
     assert rep["tensors"][0]["block_sizes"] == [-192]
     assert rep["fallback_numel"] == 0
     code = 0.5 if bits == 4 else 1.0
-    assert rep["bytes_per_param"] == pytest.approx(code + 8 / 64)
+    assert rep["bytes_per_param"] == pytest.approx(code + 8 / 64 + 4 / 192)  # v_cross: per row
     assert "col192" in format_memory_report(rep)
 
     sd = {k: v for k, v in opt.state_dict().items()}
@@ -448,5 +466,6 @@ def test_alike_weights_share_per_row_and_gains_do_not():
     opt.step()
     rows = {r["shape"]: r for r in opt.memory_report()["tensors"]}
     assert rows[(48, 48, 3, 3)]["block_sizes"] == [432]
-    assert rows[(48, 48, 3, 3)]["state_bytes"] < 0.6 * conv.numel()
+    # 4-bit codes, v and absmax per row, v_cross per position in a row
+    assert rows[(48, 48, 3, 3)]["state_bytes"] == conv.numel() // 2 + 8 * 48 + 4 * 432
     assert rows[(5000,)]["block_sizes"] == [1]

@@ -89,7 +89,7 @@ def cut_blocks(opt: Gefen) -> int:
     n = 0
     for p, st in opt.state.items():
         whole = {s.offset: s.tensor_numel for s in opt._segments_for(p)}
-        for offset, numel, start, bs in st["layout"].tolist():
+        for offset, numel, start, bs, _ in st["layout"].tolist():
             if bs > 1 and numel:
                 n += int(start % bs != 0) + int((start + numel) % bs != 0)
             elif bs < 0 and 0 < numel < whole[offset]:  # a piece of a column is its own block

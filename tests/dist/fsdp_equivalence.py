@@ -59,6 +59,7 @@ def run(kind: str, setup: str, steps: int, bits: int, ref: dict, split: bool) ->
             adamw_bytes=rep["adamw_bytes"],
             params=rep["params"],
             fallback_numel=rep["fallback_numel"],
+            spread_v_cross=rep["spread_v_cross"],
         ),
     )
 
