@@ -589,8 +589,16 @@ void cross_sums(const void* gv, int64_t start, int64_t numel, int64_t block, dou
 #pragma omp parallel for num_threads(std::max(threads, 1)) if (threads > 1 && whole > 1)
   for (int64_t r = 0; r < whole; ++r) {
     const auto* row = g + head + r * width;
-    double s = 0.0;
-    for (int64_t j = 0; j < width; ++j) {
+    double acc[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};  // eight lanes: it vectorises
+    int64_t j = 0;
+    for (; j + 8 <= width; j += 8) {
+      for (int k = 0; k < 8; ++k) {
+        const double x = Elem<GT>::get(row[j + k]);
+        acc[k] += x * x;
+      }
+    }
+    double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < width; ++j) {
       const double x = Elem<GT>::get(row[j]);
       s += x * x;
     }
@@ -728,6 +736,25 @@ int gefen_cpu_cross_sums(const void* g, int g_dtype, int64_t start, int64_t nume
     case F16: cross_sums<F16>(g, start, numel, block, sums, counts, threads); return 0;
     default: return -1;
   }
+}
+
+// reference.cross_mean and reference.cross_factor of one tensor: from ``sums`` and ``counts``
+// (fp64, ``n`` entries; an entry no element reached gets a mean of 0), fold this step's mean g^2
+// into ``v`` (fp32 v_cross, in place: v * beta2 + a2 * mean) and write sqrt(max(v / mean(v),
+// floor)) / bc2 per entry into ``out``. mean(v) is summed in fp64 (the reference's torch.mean
+// sums fp32 in its own order: the two agree to an ulp or so).
+void gefen_cpu_cross_factor(const double* sums, const double* counts, int64_t n, float* v,
+                            float beta2, float a2, float bc2, float floor_c, float* out) {
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float mean = counts[i] > 0.0 ? static_cast<float>(sums[i] / counts[i]) : 0.0f;
+    const float vi = v[i] * beta2 + a2 * mean;
+    v[i] = vi;
+    total += vi;
+  }
+  float mean = static_cast<float>(total / static_cast<double>(n));
+  if (!(mean > 0.0f)) mean = 1.0f;
+  for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(std::max(v[i] / mean, floor_c)) / bc2;
 }
 
 }  // extern "C"

@@ -26,7 +26,7 @@ import torch
 
 from . import segment_table as table
 from .codes import code_table
-from .reference import local_factor
+from .reference import CROSS_FLOOR, Hyper, SegmentState, local_factor
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "gefen_cpu.cpp"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
@@ -79,6 +79,9 @@ def _build() -> ctypes.CDLL:
     I64 = ctypes.c_int64
     dll.gefen_cpu_cross_sums.argtypes = [P, I32, I64, I64, I64, P, P, I32]
     dll.gefen_cpu_cross_sums.restype = I32
+    F = ctypes.c_float
+    dll.gefen_cpu_cross_factor.argtypes = [P, P, I64, P, F, F, F, F, P]
+    dll.gefen_cpu_cross_factor.restype = None
     return dll
 
 
@@ -158,3 +161,24 @@ def cross_sums(
     if rc != 0:
         raise RuntimeError(f"gefen_cpu_cross_sums refused a {g.dtype} gradient")
     return sums, counts
+
+
+def cross_factor(
+    st: SegmentState, h: Hyper, sums: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """``reference.cross_factor(st, h, reference.cross_mean(sums, counts))`` in one call: a dozen
+    torch ops on a vector of a few hundred entries cost more than the kernel's pass over the
+    tensor. fp32 CPU ``st.v_cross``, fp64 contiguous CPU sums and counts."""
+    out = torch.empty_like(st.v_cross)
+    load().gefen_cpu_cross_factor(
+        sums.data_ptr(),
+        counts.data_ptr(),
+        st.v_cross.numel(),
+        st.v_cross.data_ptr(),
+        h.beta2,
+        1.0 - h.beta2,
+        h.bc2_sqrt,
+        CROSS_FLOOR,
+        out.data_ptr(),
+    )
+    return out

@@ -413,7 +413,7 @@ class Gefen(Optimizer):
             sums_of = native_cpu.cross_sums if impl == "cpu" else cross_sums
             sums, counts = sums_of(g, seg.start, seg.block_size, seg.v_cross.numel())
             if name is None:
-                out[i] = cross_factor(seg, h, cross_mean(sums, counts))
+                out[i] = _factor(impl, seg, h, sums, counts)
                 continue
             if buf is None or name not in slots:
                 raise RuntimeError(f"tensor {name!r} is spread over ranks but has no cross slot")
@@ -424,9 +424,12 @@ class Gefen(Optimizer):
         if buf is not None:
             dist.all_reduce(buf, group=self._group)
             for i, at, n in spread:
-                seg, h = items[i][3], items[i][4]
-                mean = cross_mean(buf[at : at + n], buf[total + at : total + at + n])
-                out[i] = cross_factor(seg, h, mean.to(seg.v_cross.device))
+                impl, seg, h = items[i][0], items[i][3], items[i][4]
+                sums, counts = (
+                    x.to(seg.v_cross.device)
+                    for x in (buf[at : at + n], buf[total + at : total + at + n])
+                )
+                out[i] = _factor(impl, seg, h, sums, counts)
         return out
 
     def _cross_table(self) -> dict[str, tuple[int, int]]:
@@ -674,6 +677,14 @@ def _check_hyper(g: dict[str, Any]) -> None:
         raise ValueError(f"Invalid weight_decay: {wd} (must be >= 0)")
     if g["bits"] not in (4, 8) or isinstance(g["bits"], bool):
         raise ValueError(f"Invalid bits: {g['bits']!r} (must be 4 or 8)")
+
+
+def _factor(impl: str, seg, h: Hyper, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """This step's cross factor of a segment from its tensor's sums: the C++ kernel's own pass
+    where it updates the segment, the reference's elsewhere."""
+    if impl == "cpu":
+        return native_cpu.cross_factor(seg, h, sums, counts)
+    return cross_factor(seg, h, cross_mean(sums, counts))
 
 
 def _flat(t: torch.Tensor, p: torch.Tensor, opt: Gefen) -> torch.Tensor:
