@@ -381,13 +381,14 @@ class Gefen(Optimizer):
 
     def _prepared(self, p: torch.Tensor, st: dict) -> tuple:
         """Codebook, its midpoints, the per-segment views of ``st`` and, per segment, the name of
-        its tensor where that tensor is spread over ranks (else None), computed once per state
+        its tensor where that tensor is spread over this optimizer's process group (else None:
+        a piece declared without a group is factored from its own g), computed once per state
         (a load or a re-initialisation brings new tensors, hence new ones)."""
         hit = self._views.get(p)
         if hit is None or hit[0] is not st["codes"] or hit[1] is not st["codebook"]:
             levels = st["codebook"]
             spread = [
-                s.name if s.name and s.numel < s.tensor_numel else None
+                s.name if self._group is not None and s.name and s.numel < s.tensor_numel else None
                 for s in self._segments_for(p)
             ]
             hit = (st["codes"], levels, midpoints(levels), state.segment_views(st), spread)

@@ -469,3 +469,23 @@ def test_alike_weights_share_per_row_and_gains_do_not():
     # 4-bit codes, v and absmax per row, v_cross per position in a row
     assert rows[(48, 48, 3, 3)]["state_bytes"] == conv.numel() // 2 + 8 * 48 + 4 * 432
     assert rows[(5000,)]["block_sizes"] == [1]
+
+
+def test_a_named_piece_without_a_process_group_is_factored_from_its_own_gradient():
+    """Names mark pieces whose v_cross sums are all-reduced; without a group there is no one to
+    reduce with, so the piece is factored from its own g, as the reference does."""
+    shape, start, numel = (64, 96), 96 * 10 + 5, 96 * 40
+    ps = []
+    for name in ("fc.weight", ""):
+        p = torch.randn(numel, generator=_gen(0)).requires_grad_()
+        opt = Gefen([p], lr=1e-2)
+        opt.backend = "reference"
+        opt.set_segments(p, [Segment(0, numel, start, shape, name)])
+        # a piece alone cannot choose its block size (the partition needs the whole tensor)
+        opt.state[p] = _state_with_block(opt, p, None, 96, start, shape)
+        for t in range(3):
+            p.grad = _row_grad((40, 96), t).view(-1)
+            opt.step()
+        assert opt.state[p]["v_cross"].numel() == 96
+        ps.append(p)
+    assert torch.equal(ps[0], ps[1])
