@@ -27,11 +27,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _shared(params: list[torch.nn.Parameter], bits: int):
-    """A Gefen whose tensors keep no v_cross: allocated while ``state.cross_length`` says 0."""
+    """A Gefen whose tensors keep no v_cross: its state is allocated under
+    ``sharing_ablation._force_shared``, which is undone afterwards."""
+    from sharing_ablation import _force_shared
+
     from gefen_dist import Gefen, state
 
     real = state.cross_length
-    state.cross_length = lambda block_size, tensor_numel: 0
+    _force_shared()
     try:
         opt = Gefen(params, bits=bits, **HYPER)
         opt.step()  # the state is allocated at the first step

@@ -380,17 +380,13 @@ class Gefen(Optimizer):
             )
 
     def _prepared(self, p: torch.Tensor, st: dict) -> tuple:
-        """Codebook, its midpoints, the per-segment views of ``st`` and, per segment, the name of
-        its tensor where that tensor is spread over this optimizer's process group (else None:
-        a piece declared without a group is factored from its own g), computed once per state
+        """Codebook, its midpoints, the per-segment views of ``st`` and each segment's
+        ``_spread_name``, computed once per state
         (a load or a re-initialisation brings new tensors, hence new ones)."""
         hit = self._views.get(p)
         if hit is None or hit[0] is not st["codes"] or hit[1] is not st["codebook"]:
             levels = st["codebook"]
-            spread = [
-                s.name if self._group is not None and s.name and s.numel < s.tensor_numel else None
-                for s in self._segments_for(p)
-            ]
+            spread = [self._spread_name(s) for s in self._segments_for(p)]
             hit = (st["codes"], levels, midpoints(levels), state.segment_views(st), spread)
             self._views[p] = hit
         return hit[1:]
@@ -445,7 +441,7 @@ class Gefen(Optimizer):
                 if not st:
                     continue
                 for seg, row in zip(self._segments_for(p), st["layout"].tolist(), strict=True):
-                    if seg.name and seg.numel < seg.tensor_numel and row[4]:
+                    if self._spread_name(seg) and row[4]:
                         local[seg.name] = row[4]
             every: list[dict] = [{} for _ in range(dist.get_world_size(self._group))]
             dist.all_gather_object(every, local, group=self._group)
@@ -571,7 +567,7 @@ class Gefen(Optimizer):
             if st:
                 layout = st["layout"].tolist()
                 for seg, r in zip(self._segments_for(p), layout, strict=True):
-                    if seg.name and seg.numel < seg.tensor_numel and r[4]:
+                    if self._spread_name(seg) and r[4]:
                         spread[seg.name] = spread.get(seg.name, 0) + r[4]
                 fallback = sum(r[1] for r in layout if r[3] == 1)
                 rows.append(
@@ -632,6 +628,14 @@ class Gefen(Optimizer):
                 if q is p:
                     return gi, i
         raise KeyError("parameter not in this optimizer")
+
+    def _spread_name(self, seg: Segment) -> str | None:
+        """The name under which a piece's v_cross sums are all-reduced: pieces of tensors spread
+        over this optimizer's process group; None for whole tensors, and for pieces declared
+        without a group (there is no one to reduce with: they are factored from their own g)."""
+        if self._group is not None and seg.name and seg.numel < seg.tensor_numel:
+            return seg.name
+        return None
 
     def _name(self, p: torch.Tensor) -> str:
         if p in self._display:

@@ -130,17 +130,16 @@ def cross_sums(
     counts = torch.zeros(length, dtype=torch.float64, device=g.device)
     numel, contiguous = g.numel(), block_size > 0
     width = block_size if contiguous else -block_size
-    first = start % width
     head = min((-start) % width, numel)
     if head:
         x = g[:head].double().square()
-        at = first if contiguous else start // width
         if contiguous:
-            sums[at : at + head] += x
-            counts[at : at + head] += 1.0
+            first = start % width
+            sums[first : first + head] += x
+            counts[first : first + head] += 1.0
         else:
-            sums[at] += x.sum()
-            counts[at] += head
+            sums[start // width] += x.sum()
+            counts[start // width] += head
     whole = (numel - head) // width
     row0 = -(-start // width)  # the tensor row of the first whole row
     per = max(1, CROSS_CHUNK // width)
