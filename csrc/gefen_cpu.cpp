@@ -281,22 +281,25 @@ template <int PT, int GT>
 void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax, float* v,
                const float* levels, const float* mp, int n_mids, const int32_t* table,
                int64_t start, int64_t numel, int64_t block, bool four, uint32_t key,
-               const Hyper& h, const float* pair4, const float* fac, float* buf, int32_t* idx) {
+               const Hyper& h, const float* pair4, const float* fac, bool v_done, float* buf,
+               int32_t* idx) {
   const int64_t b0 = start / block;
   const int64_t lo = std::max((b0 + j) * block, start) - start;
   const int64_t hi = std::min((b0 + j + 1) * block, start + numel) - start;
   const int64_t n = hi - lo;
   auto* pb = static_cast<typename Elem<PT>::T*>(p) + lo;
   const auto* gb = static_cast<const typename Elem<GT>::T*>(g) + lo;
-  double s = 0.0;
+  float vj = v[j];
+  if (!v_done) {  // else cross_sums folded this step's mean g^2 into v
+    double s = 0.0;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) {
-    const double x = Elem<GT>::get(gb[i]);
-    s += x * x;
+    for (int64_t i = 0; i < n; ++i) {
+      const double x = Elem<GT>::get(gb[i]);
+      s += x * x;
+    }
+    vj = v[j] * h.beta2 + h.a2 * static_cast<float>(s / static_cast<double>(n));
+    v[j] = vj;
   }
-  const float mean = static_cast<float>(s / static_cast<double>(n));
-  const float vj = v[j] * h.beta2 + h.a2 * mean;
-  v[j] = vj;
   const float sv = std::sqrt(vj);
   const float denom = sv / h.bc2 + h.eps;
   const float old = absmax[j];
@@ -490,7 +493,8 @@ constexpr int64_t kDenseTile = 16384;
 
 using BlockFn = void (*)(int64_t, void*, const void*, uint8_t*, float*, float*, const float*,
                          const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
-                         uint32_t, const Hyper&, const float*, const float*, float*, int32_t*);
+                         uint32_t, const Hyper&, const float*, const float*, bool, float*,
+                         int32_t*);
 using DenseFn = void (*)(void*, const void*, float*, float*, int64_t, int64_t, const Hyper&);
 using ColumnFn = void (*)(void*, const void*, uint8_t*, float*, float*, const float*,
                           const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
@@ -539,10 +543,13 @@ struct Prep {
 };
 
 // reference.cross_sums: fp64 sums of g^2 and counts per entry of a tensor's v_cross over one
-// piece. Each entry's sum runs over the piece's rows in order, whatever the thread count.
+// piece. Each entry's sum runs over the piece's rows in a fixed order, whatever the thread count.
+// Contiguous blocks with ``v``: the rows are the piece's blocks (cut at its ends), and each one's
+// mean g^2 is also folded into v (v * beta2 + a2 * mean, one_block's first pass), so a step told
+// so reads the gradient once for both.
 template <int GT>
 void cross_sums(const void* gv, int64_t start, int64_t numel, int64_t block, double* sums,
-                double* counts, int threads) {
+                double* counts, int threads, float* v, float beta2, float a2) {
   const auto* g = static_cast<const typename Elem<GT>::T*>(gv);
   const bool contiguous = block > 0;
   const int64_t width = contiguous ? block : -block;
@@ -554,30 +561,49 @@ void cross_sums(const void* gv, int64_t start, int64_t numel, int64_t block, dou
     return x * x;
   };
   if (contiguous) {
-    const int64_t first = start % width;
+    auto fold = [&](int64_t j, double s, int64_t n) {
+      if (v) v[j] = v[j] * beta2 + a2 * static_cast<float>(s / static_cast<double>(n));
+    };
+    const int64_t first = start % width, j0 = head ? 1 : 0;  // j0: block of the first whole row
+    double edge = 0.0;
     for (int64_t i = 0; i < head; ++i) {
-      sums[first + i] += sq(i);
+      const double x2 = sq(i);
+      sums[first + i] += x2;
       counts[first + i] += 1.0;
+      edge += x2;
     }
-    const int64_t span = std::max<int64_t>(64, (width + threads - 1) / std::max(threads, 1));
-    const int64_t parts = (width + span - 1) / span;
-#pragma omp parallel for num_threads(std::max(threads, 1)) if (threads > 1 && parts > 1)
-    for (int64_t c = 0; c < parts; ++c) {
-      const int64_t j0 = c * span, j1 = std::min(width, j0 + span);
-      for (int64_t r = 0; r < whole; ++r) {
-        const auto* row = g + head + r * width;
-#pragma omp simd
-        for (int64_t j = j0; j < j1; ++j) {
+    if (head) fold(0, edge, head);
+    // Whole rows in chunks that depend on the shape only (at most 16, at least 32 rows each):
+    // a row's sum is one thread's, and each entry adds the chunks' partial sums in order.
+    const int64_t per = std::max<int64_t>(32, (whole + 15) / 16);
+    const int64_t chunks = (whole + per - 1) / per;
+    std::vector<double> part(chunks * width, 0.0);
+#pragma omp parallel for num_threads(std::max(threads, 1)) if (threads > 1 && chunks > 1)
+    for (int64_t c = 0; c < chunks; ++c) {
+      double* __restrict acc = part.data() + c * width;
+      for (int64_t r = c * per; r < std::min(whole, (c + 1) * per); ++r) {
+        const auto* __restrict row = g + head + r * width;
+        double s = 0.0;
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < width; ++j) {
           const double x = Elem<GT>::get(row[j]);
-          sums[j] += x * x;
+          acc[j] += x * x;
+          s += x * x;
         }
+        fold(j0 + r, s, width);
       }
-      for (int64_t j = j0; j < j1; ++j) counts[j] += static_cast<double>(whole);
     }
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t j = 0; j < width; ++j) sums[j] += part[c * width + j];
+    for (int64_t j = 0; whole && j < width; ++j) counts[j] += static_cast<double>(whole);
+    edge = 0.0;
     for (int64_t i = 0; i < tail; ++i) {
-      sums[i] += sq(numel - tail + i);
+      const double x2 = sq(numel - tail + i);
+      sums[i] += x2;
       counts[i] += 1.0;
+      edge += x2;
     }
+    if (tail) fold(j0 + whole, edge, tail);
     return;
   }
   if (head) {
@@ -623,10 +649,12 @@ int gefen_cpu_meta_cols() { return kMetaCols; }
 // One step over a segment table: ``meta`` (n_seg x kMetaCols int64, the columns of Meta), ``hyp``
 // (n_seg x 8 fp32: beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t),
 // sqrt(1 - beta2^t), eps), ``luts`` (n_seg int64: the address of each 8-bit segment's
-// codes.code_table, or 0). Blocks and dense tiles of every segment share the threads. Returns 0,
+// codes.code_table, or 0), ``v_done`` (n_seg flags, or null: 1 where gefen_cpu_cross_sums has
+// folded this step's g^2 into the segment's v, contiguous blocks only). Blocks and dense tiles of
+// every segment share the threads. Returns 0,
 // or -(row + 1) for a row whose dtypes, bits or block size it refuses (nothing is written then).
-int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, int n_seg,
-                   int threads) {
+int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
+                   const uint8_t* v_done, int n_seg, int threads) {
   std::vector<Prep> prep(n_seg);
   std::vector<int64_t> prefix(n_seg + 1, 0);
   int64_t width = 1;
@@ -692,7 +720,8 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
                reinterpret_cast<float*>(m[kAbsmax]), reinterpret_cast<float*>(m[kV]),
                reinterpret_cast<const float*>(m[kLevels]), r.mp.data(), r.n_mids, lut_of(s),
                m[kStart], m[kNumel], m[kBlock], r.four, static_cast<uint32_t>(m[kStepKey]), r.h,
-               r.pair4.data(), reinterpret_cast<const float*>(m[kFactor]), buf, idx);
+               r.pair4.data(), reinterpret_cast<const float*>(m[kFactor]), v_done && v_done[s],
+               buf, idx);
   };
 #pragma omp parallel num_threads(std::max(threads, 1)) if (threads > 1 && total > 1)
   {
@@ -727,13 +756,20 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts, i
 // reference.cross_sums for a flat piece ``g`` of dtype ``g_dtype`` (0 fp32, 1 bf16, 2 fp16),
 // elements [start, start + numel) of its tensor, block size ``block`` (> 1, or -P for
 // columns): adds into ``sums`` and ``counts`` (fp64, the tensor's v_cross entries). Returns 0, or
-// -1 for a dtype it refuses.
+// -1 for a dtype it refuses. ``v`` (or null; contiguous blocks only): the segment's fp32 block
+// v, into which each block's mean g^2 is folded with ``beta2`` and ``a2`` (= 1 - beta2).
 int gefen_cpu_cross_sums(const void* g, int g_dtype, int64_t start, int64_t numel, int64_t block,
-                         double* sums, double* counts, int threads) {
+                         double* sums, double* counts, int threads, float* v, float beta2,
+                         float a2) {
+  if (v && block < 0) return -1;
+  auto run = [&](auto fn) {
+    fn(g, start, numel, block, sums, counts, threads, v, beta2, a2);
+    return 0;
+  };
   switch (g_dtype) {
-    case F32: cross_sums<F32>(g, start, numel, block, sums, counts, threads); return 0;
-    case BF16: cross_sums<BF16>(g, start, numel, block, sums, counts, threads); return 0;
-    case F16: cross_sums<F16>(g, start, numel, block, sums, counts, threads); return 0;
+    case F32: return run(cross_sums<F32>);
+    case BF16: return run(cross_sums<BF16>);
+    case F16: return run(cross_sums<F16>);
     default: return -1;
   }
 }

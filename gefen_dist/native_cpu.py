@@ -73,13 +73,13 @@ def _build() -> ctypes.CDLL:
             os.replace(out, lib)  # atomic: concurrent ranks building at once all end the same
     dll = ctypes.CDLL(str(lib))
     P, I32 = ctypes.c_void_p, ctypes.c_int
-    dll.gefen_cpu_step.argtypes = [P, P, P, I32, I32]
+    dll.gefen_cpu_step.argtypes = [P, P, P, P, I32, I32]
     dll.gefen_cpu_step.restype = I32
     dll.gefen_cpu_lut_cells.restype = I32
     I64 = ctypes.c_int64
-    dll.gefen_cpu_cross_sums.argtypes = [P, I32, I64, I64, I64, P, P, I32]
-    dll.gefen_cpu_cross_sums.restype = I32
     F = ctypes.c_float
+    dll.gefen_cpu_cross_sums.argtypes = [P, I32, I64, I64, I64, P, P, I32, P, F, F]
+    dll.gefen_cpu_cross_sums.restype = I32
     dll.gefen_cpu_cross_factor.argtypes = [P, P, I64, P, F, F, F, F, P]
     dll.gefen_cpu_cross_factor.restype = None
     return dll
@@ -110,18 +110,21 @@ def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
 
 
 def step(work: list[tuple]) -> None:
-    """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor]) in one call: blocks
-    and dense tiles of all segments share the threads. Flat contiguous CPU views. ``factor``:
-    the segment's ``reference.cross_factor`` this step; without it, its ``local_factor``."""
+    """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor[, v_done]]) in one
+    call: blocks and dense tiles of all segments share the threads. Flat contiguous CPU views.
+    ``factor``: the segment's ``reference.cross_factor`` this step; without it, its
+    ``local_factor``. ``v_done``: ``cross_sums`` has folded this step's g^2 into the segment's v
+    (contiguous blocks), so the kernel does not."""
     if not work:
         return
     lib = load()
-    rows, hyps, luts, factors = [], [], [], []
+    rows, hyps, luts, factors, done = [], [], [], [], []
     cells = lib.gefen_cpu_lut_cells()
     for p, g, st, h, levels, mids, bits, *given in work:
         if st.numel == 0:
             continue
         f = given[0] if given else local_factor(g, st, h)
+        done.append(1 if len(given) > 1 and given[1] else 0)
         factors.append(f)  # alive until the call returns
         rows.append(table.row(p, g, st, levels, mids, bits, h.step, f))
         hyps.append(table.hyper_row(h))
@@ -132,8 +135,14 @@ def step(work: list[tuple]) -> None:
     meta = torch.tensor(rows, dtype=torch.int64)
     hyp = torch.tensor(hyps, dtype=torch.float32)
     lut = torch.tensor(luts, dtype=torch.int64)
+    v_done = torch.tensor(done, dtype=torch.uint8)
     rc = lib.gefen_cpu_step(
-        meta.data_ptr(), hyp.data_ptr(), lut.data_ptr(), len(rows), torch.get_num_threads()
+        meta.data_ptr(),
+        hyp.data_ptr(),
+        lut.data_ptr(),
+        v_done.data_ptr(),
+        len(rows),
+        torch.get_num_threads(),
     )
     if rc != 0:
         bad = rows[-rc - 1]
@@ -141,10 +150,20 @@ def step(work: list[tuple]) -> None:
 
 
 def cross_sums(
-    g: torch.Tensor, start: int, block_size: int, length: int
+    g: torch.Tensor,
+    start: int,
+    block_size: int,
+    length: int,
+    v: torch.Tensor | None = None,
+    h: Hyper | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.cross_sums`` in one pass over g, both threads (each entry's sum in a fixed
-    order, so the result does not depend on the thread count); g a flat contiguous CPU view."""
+    order, so the result does not depend on the thread count); g a flat contiguous CPU view.
+    With ``v`` and ``h`` (contiguous blocks only): also folds each block's mean g^2 into the
+    segment's fp32 block v, as the step's first pass would: the pass the factor needs then
+    saves the step one read of g (tell ``step`` with ``v_done``)."""
+    if v is not None and (block_size < 0 or h is None or v.dtype != torch.float32):
+        raise ValueError("cross_sums folds into v only for contiguous blocks, fp32 v, given h")
     lib = load()
     sums = torch.zeros(length, dtype=torch.float64)
     counts = torch.zeros(length, dtype=torch.float64)
@@ -157,6 +176,9 @@ def cross_sums(
         sums.data_ptr(),
         counts.data_ptr(),
         torch.get_num_threads(),
+        0 if v is None else v.data_ptr(),
+        0.0 if h is None else h.beta2,
+        0.0 if h is None else 1.0 - h.beta2,
     )
     if rc != 0:
         raise RuntimeError(f"gefen_cpu_cross_sums refused a {g.dtype} gradient")

@@ -95,6 +95,7 @@ class Gefen(Optimizer):
         self._backend = "auto"
         self._warned: set[str] = set()
         self._views: dict[torch.Tensor, tuple] = {}
+        self._codebook_copies: dict[tuple[int, str], torch.Tensor] = {}
         self._pending_install: list[tuple[torch.Tensor, dict]] = []
         self._cross_slots: dict[str, tuple[int, int]] | None = None
         super().__init__(params, defaults)
@@ -310,12 +311,14 @@ class Gefen(Optimizer):
                         ps = flat_p[offset : offset + seg.numel]
                         gs = flat_g[offset : offset + seg.numel]
                     items.append((impl, ps, gs, seg, h, levels, mids, bits, name))
-        factors = self._cross_factors(items)
-        for (impl, ps, gs, seg, h, levels, mids, bits, _), f in zip(items, factors, strict=True):
+        factors, v_done = self._cross_factors(items)
+        for i, ((impl, ps, gs, seg, h, levels, mids, bits, _), f) in enumerate(
+            zip(items, factors, strict=True)
+        ):
             if impl == "cuda":
                 cuda_work.append((ps, gs, seg, h, levels, mids, bits, f))
             elif impl == "cpu":
-                cpu_work.append((ps, gs, seg, h, levels, mids, bits, f))
+                cpu_work.append((ps, gs, seg, h, levels, mids, bits, f, i in v_done))
             elif seg.block_size == 1:
                 dense_update(ps, gs, seg, h)
             elif seg.block_size < 0:
@@ -391,13 +394,15 @@ class Gefen(Optimizer):
             self._views[p] = hit
         return hit[1:]
 
-    def _cross_factors(self, items: list[tuple]) -> list[torch.Tensor | None]:
+    def _cross_factors(self, items: list[tuple]) -> tuple[list[torch.Tensor | None], set[int]]:
         """This step's ``reference.cross_factor`` per segment (None where it has none): from the
         segment's own g where it holds its whole tensor; from the sums over every rank's piece
         where the tensor is spread, all such tensors in one all-reduce, so each rank takes the
         single-process step. Every rank reduces the whole table, zeros for tensors it does not
-        step in this call: ZeRO steps one group at a time, all ranks the same group."""
+        step in this call: ZeRO steps one group at a time, all ranks the same group. Also the
+        items whose block v the C++ pass over g has already stepped (contiguous blocks)."""
         out: list[torch.Tensor | None] = [None] * len(items)
+        v_done: set[int] = set()
         slots = self._cross_table()
         total = sum(n for _, n in slots.values())
         buf = None
@@ -407,8 +412,14 @@ class Gefen(Optimizer):
         for i, (impl, _, g, seg, h, _, _, _, name) in enumerate(items):
             if seg.v_cross is None or seg.v_cross.numel() == 0:
                 continue
-            sums_of = native_cpu.cross_sums if impl == "cpu" else cross_sums
-            sums, counts = sums_of(g, seg.start, seg.block_size, seg.v_cross.numel())
+            if impl == "cpu" and seg.block_size > 1:
+                sums, counts = native_cpu.cross_sums(
+                    g, seg.start, seg.block_size, seg.v_cross.numel(), seg.v, h
+                )
+                v_done.add(i)
+            else:
+                sums_of = native_cpu.cross_sums if impl == "cpu" else cross_sums
+                sums, counts = sums_of(g, seg.start, seg.block_size, seg.v_cross.numel())
             if name is None:
                 out[i] = _factor(impl, seg, h, sums, counts)
                 continue
@@ -427,7 +438,7 @@ class Gefen(Optimizer):
                     for x in (buf[at : at + n], buf[total + at : total + at + n])
                 )
                 out[i] = _factor(impl, seg, h, sums, counts)
-        return out
+        return out, v_done
 
     def _cross_table(self) -> dict[str, tuple[int, int]]:
         """Where each tensor spread over ranks puts its v_cross sums in the per-step all-reduce:
@@ -458,6 +469,19 @@ class Gefen(Optimizer):
                 self._cross_slots[name] = (at, merged[name])
                 at += merged[name]
         return self._cross_slots
+
+    def _shared_codebook(self, levels: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """One codebook tensor per bit width and device for every state that holds those
+        levels: it never changes once learned, and a copy per tensor cost 1 KiB (8 bits) each,
+        a visible share of a small model's state. A checkpoint whose tensors hold different
+        levels (not written by this package) keeps each its own."""
+        levels = levels.to(device=device, dtype=torch.float32)
+        key = (levels.numel(), str(device))
+        have = self._codebook_copies.get(key)
+        if have is not None and torch.equal(have, levels):
+            return have
+        self._codebook_copies.setdefault(key, levels)
+        return levels
 
     def _initialize(self, pending: list[tuple[torch.Tensor, dict]]) -> None:
         """Partition newly seen parameters; learn the codebooks if this is the first time."""
@@ -509,7 +533,8 @@ class Gefen(Optimizer):
 
         for p, group, segs, keys in plan:
             blocks = [block_of[k] for k in keys]
-            self.state[p] = state.allocate(segs, blocks, self._codebooks[group["bits"]], p.device)
+            levels = self._shared_codebook(self._codebooks[group["bits"]], p.device)
+            self.state[p] = state.allocate(segs, blocks, levels, p.device)
         self._cross_slots = None  # new tensors may be spread: agree on the table again
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -549,8 +574,10 @@ class Gefen(Optimizer):
         opt._codebooks.clear()
         opt._initialized = False
         opt._cross_slots = None
+        opt._codebook_copies.clear()
         for p, st in opt._pending_install:
             new = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in st.items()}
+            new["codebook"] = opt._shared_codebook(new["codebook"], p.device)
             opt.state[p] = {k: new[k] for k in state.STATE_KEYS}
             opt._codebooks.setdefault(state.bits_of(new["codebook"]), new["codebook"])
         opt._pending_install = []

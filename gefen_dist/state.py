@@ -5,7 +5,8 @@ the concatenation of its segments' pieces in segment order:
 
 - ``layout``  int64 (segments, 5): buffer offset, numel, start in the original tensor, block size
   (B > 1 contiguous blocks, 1 none, -P columns of a row of P elements), entries of v_cross
-- ``codebook`` fp32 (2**bits,): the levels of m; its length says the bit width
+- ``codebook`` fp32 (2**bits,): the levels of m; its length says the bit width. One tensor
+  shared by every state of that width on a device (``Gefen._shared_codebook``)
 - ``codes``   uint8: m codes of segments with B > 1, each segment from a byte boundary, two per
   byte at 4 bits
 - ``absmax``, ``v`` fp32, one per block of segments with B > 1 (blocks cut at segment ends)
@@ -73,7 +74,7 @@ def allocate(
     return {
         "step": torch.tensor(0.0, dtype=torch.float32),
         "layout": layout,
-        "codebook": codebook.to(**f32).clone(),
+        "codebook": codebook.to(**f32),
         "codes": torch.zeros(n_codes, dtype=torch.uint8, device=device),
         "absmax": torch.zeros(n_blocks, **f32),
         "v": torch.zeros(n_blocks, **f32),

@@ -159,6 +159,31 @@ MEMORY = textwrap.dedent(
 )
 
 
+def _codebook_storages(opt):
+    return {st["codebook"].untyped_storage().data_ptr() for st in opt.state.values() if st}
+
+
+def test_a_loaded_state_shares_one_codebook_and_keeps_a_foreign_one(tmp_path):
+    model, opt = _trained()
+    assert len(_codebook_storages(opt)) == 1
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    sd = torch.load(tmp_path / "opt.pt", weights_only=True)
+    sd["state"][0]["codebook"] = sd["state"][0]["codebook"].clone()  # as one copy per tensor
+    opt2 = Gefen(GPT(TINY).parameters(), lr=3e-3)
+    opt2.load_state_dict(sd)
+    assert len(_codebook_storages(opt2)) == 1
+    first = next(iter(opt.state.values()))["codebook"]
+    assert torch.equal(next(iter(opt2.state.values()))["codebook"], first)
+    # levels that differ from the others' (not written by Gefen) stay that tensor's own
+    sd["state"][1]["codebook"] = sd["state"][1]["codebook"] * 0.5
+    opt3 = Gefen(GPT(TINY).parameters(), lr=3e-3)
+    opt3.load_state_dict(sd)
+    states = [st for st in opt3.state.values() if st]
+    assert len(_codebook_storages(opt3)) == 2
+    assert torch.equal(states[1]["codebook"], first * 0.5)
+    assert torch.equal(states[0]["codebook"], first) and torch.equal(states[2]["codebook"], first)
+
+
 def test_a_step_allocates_no_parameter_sized_temporaries(tmp_path):
     """Peak RSS over the first two steps (partition, codebook, updates) minus the state itself
     stays far below the 128 MiB a single fp32 temporary of this parameter would take."""

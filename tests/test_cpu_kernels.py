@@ -260,3 +260,38 @@ def test_native_cross_sums_match_reference(dtype, start, numel, block, length):
         assert torch.equal(got[1], want[1])
     assert torch.equal(outs[0][0], outs[1][0])
     assert want[1].sum() == numel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "start,numel,block", [(0, 96 * 200, 96), (37, 4001, 96), (50, 30, 96), (96, 96 * 40, 96)]
+)
+def test_native_cross_sums_fold_each_blocks_mean_square_into_v(dtype, start, numel, block):
+    """Told v, the pass that gathers v_cross's sums also steps each block's v (the kernel then
+    skips its own first pass over g): v * beta2 + (1 - beta2) * mean g^2 over the block's part
+    in the piece, the same bits on one thread as on two, and the sums unchanged."""
+    from gefen_dist import native_cpu, reference
+    from gefen_dist.segments import num_blocks
+
+    g = (torch.randn(numel, generator=torch.Generator().manual_seed(4)) * 2).to(dtype)
+    h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=3)
+    nb = num_blocks(start, numel, block)
+    v0 = torch.rand(nb, generator=torch.Generator().manual_seed(5))
+    edges = [0] + [b - start for b in range((start // block + 1) * block, start + numel, block)]
+    edges.append(numel)
+    means = [g[a:b].double().square().mean() for a, b in zip(edges, edges[1:], strict=False)]
+    beta2, a2 = torch.tensor(0.95), torch.tensor(1.0 - 0.95)
+    want = v0 * beta2 + a2 * torch.stack(means).float()
+    vs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        v = v0.clone()
+        sums = native_cpu.cross_sums(g, start, block, block, v, h)
+        torch.testing.assert_close(sums[0], reference.cross_sums(g, start, block, block)[0])
+        vs.append(v)
+    torch.set_num_threads(1)
+    assert len(means) == nb
+    torch.testing.assert_close(vs[0], want, rtol=1e-6, atol=0)
+    assert torch.equal(vs[0], vs[1])
+    with pytest.raises(ValueError, match="contiguous blocks"):
+        native_cpu.cross_sums(g, start, -block, 3, v, h)

@@ -251,6 +251,7 @@ def test_late_params_are_partitioned_then_and_reuse_the_codebook():
         b.grad = _row_grad((100, 96), t + 5)
         opt.step()
     assert torch.equal(opt.state[b]["codebook"], codebook)
+    assert opt.state[b]["codebook"] is opt.state[a]["codebook"]  # one tensor, not a copy each
     assert int(opt.state[b]["step"]) == 2 and int(opt.state[a]["step"]) == 3
     assert int(opt.state[b]["layout"][0, 3]) == 96
 
