@@ -4,9 +4,9 @@ what folding the block v into the factor's pass over g saves: Gefen as built aga
 maths with the kernel's own first pass ("unfolded", bit-identical results, checked).
 
 Separate processes are too noisy on this machine for a difference of this size (the same
-revision's demo-GPT step measured 9.7 and 17.2 ms in two runs of ``step_speed.py``), so both
-optimizers live in one process and their timed rounds alternate; the medians over rounds are
-compared.
+revision's demo-GPT step measured 9.7 and 17.2 ms in two runs of ``step_speed.py``), so the
+three optimizers live in one process and their timed rounds alternate; the medians over rounds
+are compared.
 
     python benchmarks/factor_cost.py [--sets gpt,100m] [--bits 4,8] [--rounds 7] [--steps 10]
 """
