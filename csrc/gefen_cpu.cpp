@@ -91,6 +91,12 @@ inline void put_code(uint8_t* codes, int64_t i, int c, bool four) {
   }
 }
 
+// v's step from a block's (or column's) fp64 sum of g^2 over n elements: v * beta2 + a2 * mean,
+// the mean rounded to fp32 once; one_block, columns and cross_sums' fold all take it from here
+inline float ema_mean_sq(float v, double sum, double n, float beta2, float a2) {
+  return v * beta2 + a2 * static_cast<float>(sum / n);
+}
+
 inline uint32_t mix32(uint32_t x) {  // "lowbias32", as codes._mix32
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -297,7 +303,7 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
       const double x = Elem<GT>::get(gb[i]);
       s += x * x;
     }
-    vj = v[j] * h.beta2 + h.a2 * static_cast<float>(s / static_cast<double>(n));
+    vj = ema_mean_sq(v[j], s, static_cast<double>(n), h.beta2, h.a2);
     v[j] = vj;
   }
   const float sv = std::sqrt(vj);
@@ -408,8 +414,7 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
       mx = std::max(mx, maxes[c * nb + k]);
     }
     const int64_t count = numel / period + (k < numel % period ? 1 : 0);
-    const float mean = static_cast<float>(total / static_cast<double>(count));
-    const float vk = v[k] * h.beta2 + h.a2 * mean;
+    const float vk = ema_mean_sq(v[k], total, static_cast<double>(count), h.beta2, h.a2);
     v[k] = vk;
     const float sv = std::sqrt(vk);
     denom[k] = fac ? sv : sv / h.bc2 + h.eps;
@@ -562,7 +567,7 @@ void cross_sums(const void* gv, int64_t start, int64_t numel, int64_t block, dou
   };
   if (contiguous) {
     auto fold = [&](int64_t j, double s, int64_t n) {
-      if (v) v[j] = v[j] * beta2 + a2 * static_cast<float>(s / static_cast<double>(n));
+      if (v) v[j] = ema_mean_sq(v[j], s, static_cast<double>(n), beta2, a2);
     };
     const int64_t first = start % width, j0 = head ? 1 : 0;  // j0: block of the first whole row
     double edge = 0.0;
@@ -574,7 +579,8 @@ void cross_sums(const void* gv, int64_t start, int64_t numel, int64_t block, dou
     }
     if (head) fold(0, edge, head);
     // Whole rows in chunks that depend on the shape only (at most 16, at least 32 rows each):
-    // a row's sum is one thread's, and each entry adds the chunks' partial sums in order.
+    // a row's sum is one thread's, and each entry adds the chunks' partial sums in order. The
+    // partials take at most 16 x 8 x partition.MAX_BLOCK bytes = 16 MiB, as in columns().
     const int64_t per = std::max<int64_t>(32, (whole + 15) / 16);
     const int64_t chunks = (whole + per - 1) / per;
     std::vector<double> part(chunks * width, 0.0);

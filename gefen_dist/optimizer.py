@@ -412,19 +412,21 @@ class Gefen(Optimizer):
         for i, (impl, _, g, seg, h, _, _, _, name) in enumerate(items):
             if seg.v_cross is None or seg.v_cross.numel() == 0:
                 continue
-            if impl == "cpu" and seg.block_size > 1:
+            if name is not None and (buf is None or name not in slots):
+                raise RuntimeError(f"tensor {name!r} is spread over ranks but has no cross slot")
+            length = seg.v_cross.numel()
+            if impl == "cpu":
+                fold = seg.block_size > 1
                 sums, counts = native_cpu.cross_sums(
-                    g, seg.start, seg.block_size, seg.v_cross.numel(), seg.v, h
+                    g, seg.start, seg.block_size, length, seg.v if fold else None, h
                 )
-                v_done.add(i)
+                if fold:
+                    v_done.add(i)
             else:
-                sums_of = native_cpu.cross_sums if impl == "cpu" else cross_sums
-                sums, counts = sums_of(g, seg.start, seg.block_size, seg.v_cross.numel())
+                sums, counts = cross_sums(g, seg.start, seg.block_size, length)
             if name is None:
                 out[i] = _factor(impl, seg, h, sums, counts)
                 continue
-            if buf is None or name not in slots:
-                raise RuntimeError(f"tensor {name!r} is spread over ranks but has no cross slot")
             at, n = slots[name]
             buf[at : at + n] += sums.to(buf.device)
             buf[total + at : total + at + n] += counts.to(buf.device)

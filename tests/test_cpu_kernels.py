@@ -271,17 +271,18 @@ def test_native_cross_sums_fold_each_blocks_mean_square_into_v(dtype, start, num
     skips its own first pass over g): v * beta2 + (1 - beta2) * mean g^2 over the block's part
     in the piece, the same bits on one thread as on two, and the sums unchanged."""
     from gefen_dist import native_cpu, reference
-    from gefen_dist.segments import num_blocks
+    from gefen_dist.segments import block_runs, num_blocks
 
     g = (torch.randn(numel, generator=torch.Generator().manual_seed(4)) * 2).to(dtype)
     h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=3)
-    nb = num_blocks(start, numel, block)
-    v0 = torch.rand(nb, generator=torch.Generator().manual_seed(5))
-    edges = [0] + [b - start for b in range((start // block + 1) * block, start + numel, block)]
-    edges.append(numel)
-    means = [g[a:b].double().square().mean() for a, b in zip(edges, edges[1:], strict=False)]
+    v0 = torch.rand(num_blocks(start, numel, block), generator=torch.Generator().manual_seed(5))
+    blocks = [
+        g[r.elem : r.elem + r.length * r.count].double().view(r.count, r.length)
+        for r in block_runs(start, numel, block)
+    ]
+    means = torch.cat([b.square().mean(1) for b in blocks])
     beta2, a2 = torch.tensor(0.95), torch.tensor(1.0 - 0.95)
-    want = v0 * beta2 + a2 * torch.stack(means).float()
+    want = v0 * beta2 + a2 * means.float()
     vs = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
@@ -290,7 +291,7 @@ def test_native_cross_sums_fold_each_blocks_mean_square_into_v(dtype, start, num
         torch.testing.assert_close(sums[0], reference.cross_sums(g, start, block, block)[0])
         vs.append(v)
     torch.set_num_threads(1)
-    assert len(means) == nb
+    assert len(means) == len(v0)
     torch.testing.assert_close(vs[0], want, rtol=1e-6, atol=0)
     assert torch.equal(vs[0], vs[1])
     with pytest.raises(ValueError, match="contiguous blocks"):
