@@ -120,6 +120,22 @@ inline int nearest_exact(float x, const float* mp, int n_mids, int k) {
   return k;
 }
 
+#ifdef __AVX512F__
+// 4 bits with AVX-512: the 16 levels fill one register, so a level is one permute, and the
+// interior-level count (the number of lv[1..14] <= x) is a four-step binary search over it
+// (``search``: the levels with +inf at 15, so the search never passes 14). The count and the
+// search agree for sorted levels (state.check_loaded refuses unsorted ones): same codes.
+inline __m512i count16(__m512 search, __m512 x) {
+  __m512i k = _mm512_setzero_si512();
+  for (int step = 8; step > 0; step >>= 1) {
+    const __m512i c = _mm512_add_epi32(k, _mm512_set1_epi32(step));
+    k = _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(c, search), x,
+                                                    _CMP_LE_OQ), c);
+  }
+  return k;
+}
+#endif
+
 #ifdef __AVX2__
 // levels[k] for eight k in [0, 16): the 16 levels live in two registers, low8 = levels[0..8)
 // and high8 = levels[8..16); bit 3 of k picks the register
@@ -146,6 +162,18 @@ inline void decode(const uint8_t* codes, int64_t lo, int64_t hi, bool four, cons
   const int64_t pairs = (hi - i) / 2;
   float* out = buf + (i - lo);
   int64_t q = 0;
+#ifdef __AVX512F__
+  {  // 8 bytes -> each byte twice -> 16 lanes -> shifted so the lane's nibble is its low 4 bits,
+     // all a 16-entry permute reads of its index
+    const __m512 lv16 = _mm512_loadu_ps(levels);
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    for (; q + 8 <= pairs; q += 8) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + q));
+      const __m512i k = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b)), shifts);
+      _mm512_storeu_ps(out + 2 * q, _mm512_permutexvar_ps(k, lv16));
+    }
+  }
+#endif
 #ifdef __AVX2__
   // 4 bytes -> 8 nibbles (lane l: bits 4l..4l+3) -> levels through two 8-entry permutes
   const __m256 low8 = _mm256_loadu_ps(levels), high8 = _mm256_loadu_ps(levels + 8);
@@ -199,6 +227,36 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
     float lv[16];
     for (int t = 0; t < 16; ++t) lv[t] = levels[t];
     int64_t i0 = 0;
+#ifdef __AVX512F__
+    {  // sixteen at a time: the AVX2 loop's operations, levels and the count from count16
+      float srch[16];
+      std::copy(lv, lv + 15, srch);
+      srch[15] = INFINITY;
+      const __m512 lv16 = _mm512_loadu_ps(lv), search = _mm512_loadu_ps(srch);
+      const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i one = _mm512_set1_epi32(1), keys = _mm512_set1_epi32(static_cast<int32_t>(key));
+      const __m512i c1 = _mm512_set1_epi32(0x7FEB352D), c2 = _mm512_set1_epi32(0x846CA68B);
+      for (; i0 + 16 <= n; i0 += 16) {
+        const __m512 d = kPer ? _mm512_loadu_ps(scale + i0) : _mm512_set1_ps(scale_one);
+        const __m512 x = _mm512_div_ps(_mm512_loadu_ps(buf + i0), d);
+        const int32_t base = static_cast<int32_t>(static_cast<uint32_t>(first + i0));
+        __m512i h = _mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32(base), lane), keys);
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+        h = _mm512_mullo_epi32(h, c1);
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+        h = _mm512_mullo_epi32(h, c2);
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+        const __m512 u =
+            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
+        const __m512i k = count16(search, x);
+        const __m512 lo = _mm512_permutexvar_ps(k, lv16);
+        const __m512 hi = _mm512_permutexvar_ps(_mm512_add_epi32(k, one), lv16);
+        const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(hi, lo)),
+                                                _mm512_sub_ps(x, lo), _CMP_LT_OQ);
+        _mm512_storeu_si512(idx + i0, _mm512_mask_add_epi32(k, up, k, one));
+      }
+    }
+#endif
 #ifdef __AVX2__
     // eight at a time: the same operations, with both neighbouring levels from two in-register
     // 8-level permutes instead of the select chains
@@ -320,6 +378,15 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
                       : move<PT, GT, false, false>(buf, pb, gb, n, old, denom, sv, nullptr, h);
   }
   absmax[j] = amax;
+  {  // the next block's p and g, while requantize computes
+    const int64_t nlo = hi, nhi = std::min(hi + block, numel);
+    const char* pn = reinterpret_cast<const char*>(static_cast<typename Elem<PT>::T*>(p) + nlo);
+    const char* gn = reinterpret_cast<const char*>(static_cast<const typename Elem<GT>::T*>(g) + nlo);
+    const int64_t pbytes = (nhi - nlo) * static_cast<int64_t>(sizeof(typename Elem<PT>::T));
+    const int64_t gbytes = (nhi - nlo) * static_cast<int64_t>(sizeof(typename Elem<GT>::T));
+    for (int64_t o = 0; o < pbytes; o += 64) __builtin_prefetch(pn + o, 1);
+    for (int64_t o = 0; o < gbytes; o += 64) __builtin_prefetch(gn + o, 0);
+  }
   const float scale = amax > 0.0f ? amax : 1.0f;
   requantize_range<false>(buf, nullptr, scale, n, four, levels, mp, n_mids, table, start + lo, key,
                        idx);
@@ -650,6 +717,18 @@ void cross_sums(const void* gv, int64_t start, int64_t numel, int64_t block, dou
 extern "C" {
 
 int gefen_cpu_lut_cells() { return kLutCells; }
+
+// The widest vector path this build compiled: 512 (AVX-512F), 256 (AVX2) or 0 (the scalar loops
+// GCC vectorises as the target allows). Tests build each and check it against the reference.
+int gefen_cpu_isa() {
+#if defined(__AVX512F__)
+  return 512;
+#elif defined(__AVX2__)
+  return 256;
+#else
+  return 0;
+#endif
+}
 int gefen_cpu_meta_cols() { return kMetaCols; }
 
 // One step over a segment table: ``meta`` (n_seg x kMetaCols int64, the columns of Meta), ``hyp``

@@ -8,8 +8,10 @@ headers, and one build serves every torch version.
 
 The build goes to ``$GEFEN_CACHE_DIR`` (default ``~/.cache/gefen_dist``), keyed by the source,
 the flags and the CPU, so a changed source or another machine rebuilds and a rebuilt library
-never overwrites one a running process has loaded. ``available()`` says whether it loaded, and
-``build_error()`` why not.
+never overwrites one a running process has loaded. ``$GEFEN_CPU_FLAGS`` appends to the flags:
+``-mno-avx512f`` builds the AVX2 path on a machine with AVX-512, which is how the tests run
+every path. ``available()`` says whether it loaded, ``build_error()`` why not, ``isa()`` which
+vector path it runs.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def _compiler() -> str | None:
     return None
 
 
+def _flags() -> list[str]:
+    return [*FLAGS, *os.environ.get("GEFEN_CPU_FLAGS", "").split()]
+
+
 def _build() -> ctypes.CDLL:
     if not SOURCE.exists():
         raise RuntimeError(f"{SOURCE} not found (an install without csrc/)")
@@ -58,7 +64,8 @@ def _build() -> ctypes.CDLL:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cxx, *FLAGS]).encode() + _cpu_key().encode())
+    flags = _flags()
+    key = hashlib.sha256(src + " ".join([cxx, *flags]).encode() + _cpu_key().encode())
     cache = Path(os.environ.get("GEFEN_CACHE_DIR", Path.home() / ".cache" / "gefen_dist"))
     lib = cache / f"gefen_cpu_{key.hexdigest()[:16]}.so"
     if not lib.exists():
@@ -66,7 +73,7 @@ def _build() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             out = Path(tmp) / lib.name
             r = subprocess.run(
-                [cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True
+                [cxx, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True
             )
             if r.returncode != 0:
                 raise RuntimeError(f"{cxx} failed to build {SOURCE.name}:\n{r.stderr[-2000:]}")
@@ -76,6 +83,7 @@ def _build() -> ctypes.CDLL:
     dll.gefen_cpu_step.argtypes = [P, P, P, P, I32, I32]
     dll.gefen_cpu_step.restype = I32
     dll.gefen_cpu_lut_cells.restype = I32
+    dll.gefen_cpu_isa.restype = I32
     I64 = ctypes.c_int64
     F = ctypes.c_float
     dll.gefen_cpu_cross_sums.argtypes = [P, I32, I64, I64, I64, P, P, I32, P, F, F]
@@ -103,6 +111,12 @@ def available() -> bool:
 def build_error() -> str | None:
     load()
     return _error
+
+
+def isa() -> str | None:
+    """The vector path the loaded library runs: 'avx512', 'avx2' or 'scalar' (None: not built)."""
+    lib = load()
+    return None if lib is None else {512: "avx512", 256: "avx2"}.get(lib.gefen_cpu_isa(), "scalar")
 
 
 def supports(p: torch.Tensor, g: torch.Tensor) -> bool:

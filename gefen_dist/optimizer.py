@@ -589,7 +589,8 @@ class Gefen(Optimizer):
         """State bytes per parameter tensor and in total, next to what AdamW would keep.
         ``spread_v_cross``: v_cross entries this rank keeps for tensors spread over ranks, by
         tensor; each rank holding a piece keeps a copy (4 bytes an entry), the one state that
-        sharding duplicates."""
+        sharding duplicates. ``backend``: which update ran; ``cpu_isa``: with native-cpu, the
+        vector path its build compiled ('avx512', 'avx2' or 'scalar')."""
         rows = []
         spread: dict[str, int] = {}
         for p, st in self.state.items():
@@ -612,6 +613,7 @@ class Gefen(Optimizer):
                 )
         total = sum(r["state_bytes"] for r in rows)
         params = sum(r["numel"] for r in rows)
+        backend = self._backend_in_use()
         return dict(
             tensors=rows,
             state_bytes=total,
@@ -621,7 +623,8 @@ class Gefen(Optimizer):
             fallback_numel=sum(r["fallback_numel"] for r in rows),
             spread_v_cross=spread,
             bits=sorted(self._codebooks),
-            backend=self._backend_in_use(),
+            backend=backend,
+            cpu_isa=native_cpu.isa() if "native-cpu" in backend else None,
         )
 
     def _backend_in_use(self) -> str:
@@ -690,7 +693,8 @@ def format_memory_report(report: dict[str, Any]) -> str:
     lines.append(
         f"total: {report['state_bytes']} bytes = {report['bytes_per_param']:.3f} bytes/param "
         f"(AdamW {report['adamw_bytes']} = 8.000); B = 1 fallback on "
-        f"{report['fallback_numel']} of {report['params']} parameters"
+        f"{report['fallback_numel']} of {report['params']} parameters; update: "
+        f"{report['backend']}" + (f" ({report['cpu_isa']})" if report.get("cpu_isa") else "")
     )
     return "\n".join(lines)
 

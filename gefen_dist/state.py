@@ -158,6 +158,12 @@ def check_loaded(state: dict, segments: list[Segment], bits: int, name: str) -> 
             f"Gefen state for {name} holds a {state['codebook'].numel()}-level codebook "
             f"but its param group asks for bits={bits}"
         )
+    levels = state["codebook"].detach().float().cpu()
+    if not bool(torch.isfinite(levels).all()) or not bool((levels[1:] > levels[:-1]).all()):
+        raise ValueError(
+            f"Gefen state for {name}: its codebook must hold finite, strictly increasing "
+            "levels (every kernel rounds by searching them in order)"
+        )
     blocks = [int(r[3]) for r in layout.tolist()]
     for seg, bs in zip(segments, blocks, strict=True):
         row = seg.tensor_numel // seg.shape[0] if len(seg.shape) > 1 and seg.shape[0] else 0

@@ -111,6 +111,22 @@ def test_corrupted_state_is_refused():
         opt2.load_state_dict(sd)
 
 
+@pytest.mark.parametrize("how", ["nan", "unsorted"])
+def test_a_codebook_the_kernels_cannot_search_is_refused(how):
+    _, opt = _trained()
+    sd = opt.state_dict()
+    levels = sd["state"][4]["codebook"].clone()
+    if how == "nan":
+        levels[3] = float("nan")
+    else:
+        levels[[2, 9]] = levels[[9, 2]]
+    sd["state"][4] = dict(sd["state"][4], codebook=levels)
+    opt2 = Gefen(list(GPT(TINY).named_parameters()))
+    with pytest.raises(ValueError, match=r"c_attn.weight.*finite, strictly increasing"):
+        opt2.load_state_dict(sd)
+    assert not opt2.state
+
+
 def test_bf16_model_state_keeps_its_dtypes_through_load():
     model, opt = _trained(dtype=torch.bfloat16)
     sd = opt.state_dict()

@@ -2,6 +2,7 @@
 state; and what the C++ kernel must get exactly right on its own."""
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -207,6 +208,46 @@ def test_cpp_columns_of_low_precision_params_match_reference(dtype):
     # same fp32 arithmetic rounded once: at most one ulp of the low-precision format apart
     ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
     torch.testing.assert_close(ps[1], ps[0], rtol=ulp, atol=1e-3 * ulp)
+
+
+NARROWER = {"avx2": "-mno-avx512f", "scalar": "-mno-avx512f -mno-avx2"}
+
+
+@pytest.mark.parametrize("isa", list(NARROWER))
+def test_narrower_vector_paths_pass_the_kernel_tests_too(isa):
+    """The library is built for the widest vector path the CPU has, so on an AVX-512 machine
+    the AVX2 loops (and the scalar ones everywhere) would never run in CI. Build each on
+    purpose and run this file's C++ checks against it: same reference, same bounds."""
+    from gefen_dist import native_cpu
+
+    if os.environ.get("GEFEN_CPU_FLAGS"):
+        pytest.skip("this run is already a narrowed build")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the flags that narrow the build are x86's")
+    if native_cpu.isa() == isa:
+        pytest.skip(f"{isa} is this machine's own build: the main run covers it")
+    env = dict(os.environ, GEFEN_CPU_FLAGS=NARROWER[isa])
+    probe = "from gefen_dist import native_cpu; print(native_cpu.isa())"
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert r.stdout.strip() == isa, r.stderr[-2000:]
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "native or cpp",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
 
 
 def test_missing_compiler_falls_back_with_a_warning(tmp_path):
