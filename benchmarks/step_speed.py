@@ -12,7 +12,12 @@ Parameter sets:
 - ``100m``: 24 matrices of 2048 x 2048 (100.7M), gradients N(0, 1) times a per-row scale
   (log-normal), the structure Gefen's partition finds in linear layers (one block per row).
 
-    python benchmarks/step_speed.py [--sets gpt,100m] [--steps 20] [--threads 2] [--json out.json]
+    python benchmarks/step_speed.py [--sets gpt,100m] [--steps 20] [--threads 2] [--rounds 3]
+        [--json out.json]
+
+``--rounds R`` runs every optimizer's process R times, the rounds alternating between
+optimizers, and reports the median of the R medians with their range: on a shared machine one
+process's timing can be off by tens of percent, and alternating spreads that over all.
 """
 
 from __future__ import annotations
@@ -113,8 +118,39 @@ def child(name: str, which: str, steps: int, threads: int) -> dict:
         state_bytes_per_param=state_bytes(opt) / numel,
     )
     if hasattr(opt, "memory_report"):
-        out["backend"] = opt.memory_report()["backend"]
+        report = opt.memory_report()
+        out["backend"] = report["backend"]
+        if report.get("cpu_isa"):
+            out["backend"] += f", {report['cpu_isa']}"
     return out
+
+
+def combine(runs: list[dict]) -> dict:
+    """One row from an optimizer's rounds: the median of their medians, and their range."""
+    done = [r for r in runs if "median_ms" in r]
+    if not done:
+        return runs[-1]
+    out = dict(done[0])
+    out["median_ms"] = statistics.median(r["median_ms"] for r in done)
+    out["min_ms"] = min(r["min_ms"] for r in done)
+    out["extra_mib"] = max(r["extra_mib"] for r in done)
+    out["rounds_ms"] = [r["median_ms"] for r in done]
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def _revision() -> str:
+    r = subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
+    )
+    return r.stdout.strip() or "unknown"
 
 
 def run_child(name: str, which: str, steps: int, threads: int) -> dict:
@@ -140,7 +176,8 @@ def run_child(name: str, which: str, steps: int, threads: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     out = [
-        "| set | optimizer | median step | x fused AdamW | extra memory | state B/param |",
+        "| set | optimizer | median step (rounds' range) | x fused AdamW | extra memory "
+        "| state B/param |",
         "|---|---|---|---|---|---|",
     ]
     for which in dict.fromkeys(r["set"] for r in rows):
@@ -160,8 +197,10 @@ def table(rows: list[dict]) -> str:
             if r.get("backend"):
                 label += f" ({r['backend']})"
             ratio = f"{r['median_ms'] / ref['median_ms']:.2f}x" if ref else "-"
+            spread = r.get("rounds_ms", [])
+            span = f" ({min(spread):.1f}-{max(spread):.1f})" if len(spread) > 1 else ""
             out.append(
-                f"| {which} | {label} | {r['median_ms']:.1f} ms | {ratio} | "
+                f"| {which} | {label} | {r['median_ms']:.1f} ms{span} | {ratio} | "
                 f"{r['extra_mib']:.1f} MiB | {r['state_bytes_per_param']:.3f} |"
             )
     return "\n".join(out)
@@ -173,6 +212,7 @@ def main() -> None:
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child")
     a = ap.parse_args()
@@ -180,12 +220,24 @@ def main() -> None:
         print(json.dumps(child(a.child, a.sets, a.steps, a.threads)))
         return
     rows = []
+    names = a.optimizers.split(",")
     for which in a.sets.split(","):
-        for name in a.optimizers.split(","):
-            rows.append(run_child(name, which, a.steps, a.threads))
-            print(json.dumps(rows[-1]), flush=True)
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for _ in range(a.rounds):
+            for name in names:
+                if runs[name] and "skipped" in runs[name][-1]:
+                    continue
+                runs[name].append(run_child(name, which, a.steps, a.threads))
+                print(json.dumps(runs[name][-1]), flush=True)
+        rows += [combine(runs[n]) for n in names]
     meta = dict(
-        torch=torch.__version__, threads=a.threads, cpus=os.cpu_count(), command=" ".join(sys.argv)
+        torch=torch.__version__,
+        threads=a.threads,
+        cpus=os.cpu_count(),
+        cpu=_cpu_model(),
+        revision=_revision(),
+        rounds=a.rounds,
+        command=" ".join(sys.argv),
     )
     print(table(rows))
     if a.json:
