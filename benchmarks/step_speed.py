@@ -147,10 +147,14 @@ def _cpu_model() -> str:
 
 
 def _revision() -> str:
-    r = subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
+    """The commit, "-dirty" if anything but results/ differs from it (a run of several commands
+    writes its own results between them)."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    changed = subprocess.run(
+        [*git, "status", "--porcelain", "--", ".", ":!results"], capture_output=True, text=True
     )
-    return r.stdout.strip() or "unknown"
+    return (head.stdout.strip() or "unknown") + ("-dirty" if changed.stdout.strip() else "")
 
 
 def run_child(name: str, which: str, steps: int, threads: int) -> dict:
