@@ -1,0 +1,149 @@
+"""Two versions of the C++ CPU kernel side by side in one process: same results, which is faster.
+
+Separate processes disagree here by tens of percent, so a kernel change is measured in one
+process: the working tree's ``csrc/gefen_cpu.cpp`` and the one at ``--base`` (a git revision)
+are built as two libraries, and the optimizer's calls go to one or the other, timed rounds
+alternating. First, from the same parameters, 20 steps on each must leave parameters and state
+bit-identical (gradients rescaled per step, so the state moves), else the script stops: a
+faster kernel that rounds differently is a different optimizer.
+
+    python benchmarks/kernel_ab.py --base 2ca11dd [--sets gpt,100m] [--bits 4,8]
+        [--threads 1] [--rounds 7] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from step_speed import _cpu_model, _revision, make_params  # noqa: E402
+
+from gefen_dist import Gefen, native_cpu  # noqa: E402
+
+# what a source from before gefen_cpu_isa existed lacks; native_cpu's loader asks for it
+ISA_STUB = '\nextern "C" int gefen_cpu_isa() { return -1; }\n'
+
+
+def build(source: str, tmp: Path, name: str):
+    path = tmp / f"{name}.cpp"
+    path.write_text(source if "gefen_cpu_isa" in source else source + ISA_STUB)
+    native_cpu.SOURCE = path
+    return native_cpu._build()
+
+
+def run_steps(lib, which: str, bits: int, steps: int):
+    native_cpu._lib = lib
+    params = make_params(which)
+    opt = Gefen(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, bits=bits)
+    for t in range(steps):
+        scale = torch.Generator().manual_seed(t)
+        for p in params:
+            p.grad = p.grad * (0.5 + torch.rand(p.shape, generator=scale))
+        opt.step()
+    return params, opt
+
+
+def identical(libs, which: str, bits: int) -> bool:
+    (pa, oa), (pb, ob) = (run_steps(lib, which, bits, 20) for lib in libs)
+    return all(
+        torch.equal(a, b) and all(torch.equal(oa.state[a][k], ob.state[b][k]) for k in oa.state[a])
+        for a, b in zip(pa, pb, strict=True)
+    )
+
+
+def timed(libs, which: str, bits: int, rounds: int) -> list[list[float]]:
+    params = make_params(which)
+    opt = Gefen(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, bits=bits)
+    native_cpu._lib = libs[0]
+    for _ in range(2):
+        opt.step()
+    steps = 20 if which == "gpt" else 2
+    out: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for i, lib in enumerate(libs):
+            native_cpu._lib = lib
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                opt.step()
+            out[i].append(1e3 * (time.perf_counter() - t0) / steps)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", required=True, help="git revision of the kernel to compare with")
+    ap.add_argument("--sets", default="gpt,100m")
+    ap.add_argument("--bits", default="4,8")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    base = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{a.base}:csrc/gefen_cpu.cpp"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = [
+            build(base, Path(tmp), "base"),
+            build((ROOT / "csrc" / "gefen_cpu.cpp").read_text(), Path(tmp), "here"),
+        ]
+        for which in a.sets.split(","):
+            for bits in map(int, a.bits.split(",")):
+                if not identical(libs, which, bits):
+                    sys.exit(f"{which}, {bits} bits: the two kernels' results differ")
+                base_ms, here_ms = timed(libs, which, bits, a.rounds)
+                b, h = statistics.median(base_ms), statistics.median(here_ms)
+                rows.append(
+                    dict(
+                        set=which,
+                        bits=bits,
+                        base_ms=b,
+                        here_ms=h,
+                        ratio=h / b,
+                        base_rounds=base_ms,
+                        here_rounds=here_ms,
+                        identical=True,
+                    )
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    print(f"| set | bits | {a.base} | this tree | ratio | rounds' ranges |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['set']} | {r['bits']} | {r['base_ms']:.2f} ms | {r['here_ms']:.2f} ms | "
+            f"{r['ratio']:.2f}x | {min(r['base_rounds']):.2f}-{max(r['base_rounds']):.2f} / "
+            f"{min(r['here_rounds']):.2f}-{max(r['here_rounds']):.2f} |"
+        )
+    if a.json:
+        meta = dict(
+            base=a.base,
+            revision=_revision(),
+            threads=a.threads,
+            rounds=a.rounds,
+            cpu=_cpu_model(),
+            isa=native_cpu.isa(),
+            torch=torch.__version__,
+            command=" ".join(sys.argv),
+        )
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
