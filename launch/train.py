@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -384,6 +385,14 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         ap.exit(2, f"error: {e}\n")
     train(cfg, args.out, progress=not args.no_progress)
+    # The process group, the model and the optimizer sit in reference cycles, so without this
+    # the last reference to gloo's process group went at interpreter exit: one of its worker
+    # threads, still releasing a finished all_gather's tensors, asked for the GIL during
+    # finalisation and the rank aborted ("terminate called without an active exception", rc -6;
+    # a core dump showed ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> decref_pyobject ->
+    # take_gil -> pthread_exit). Collected here, the group's destructor runs while Python runs:
+    # it releases the GIL and joins its threads.
+    gc.collect()
 
 
 if __name__ == "__main__":

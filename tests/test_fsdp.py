@@ -13,9 +13,13 @@ the tests below assert on them. Tolerances, and why:
   1.1e-5 (the GPT's qkv, 4096-element blocks cut by FSDP2's row split). Bound: 2e-4.
 - "split" runs are data parallel: the gradient average differs from the single-process one by
   fp32 rounding (~1e-7 relative), which moves a few normalised g0 values across the 1024-bin
-  histogram's bin edges. Codebooks are identical on all ranks (one all-reduced histogram) and
-  within 2.4e-6 of the single-process levels (bound 1e-5); losses within 5e-7 where no block is
-  cut, and as above where one is.
+  histogram's bin edges, and the exact DP then moves sparse tail levels by a fraction of a bin:
+  2.4e-6 from the single-process levels on one machine, 2.7e-4 on another. That is the
+  method's sensitivity, not a bound, so split codebooks are held to being identical on all
+  ranks (one all-reduced histogram); the merge's exactness is what the "same" runs test, and
+  tests/test_ddp.py holds a split run's codebook to the one a single process learns from that
+  run's own averaged gradient, bit for bit. Losses within 5e-7 where no block is cut, and as
+  above where one is.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ SETUPS = [
 RUNS = [(k, s, m) for k, s in SETUPS for m in ("same", "split")]
 CUT_LOSS_TOL = 2e-4
 SPLIT_LOSS_TOL = 2e-4
-SPLIT_CODEBOOK_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +75,8 @@ def test_codebooks_identical_on_all_ranks_and_single_process(eq, kind, setup, mo
     books = [cb for r in eq for cb in r[f"{kind}/{setup}/{mode}"]["codebooks"]]
     assert all(b == books[0] for b in books)
     assert len(books[0]) == 2**BITS
-    diff = (torch.tensor(books[0]) - ref).abs().max().item()
     if mode == "same":
-        assert diff == 0.0
-    else:
-        assert diff <= SPLIT_CODEBOOK_TOL
+        assert torch.equal(torch.tensor(books[0]), ref)
 
 
 @pytest.mark.parametrize("kind,setup,mode", RUNS, ids=_ids(RUNS))

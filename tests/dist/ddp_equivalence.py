@@ -11,6 +11,7 @@ the uninterrupted run.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import sys
 from pathlib import Path
@@ -32,11 +33,34 @@ def state_digest(opt) -> str:
     return h.hexdigest()
 
 
+def solo_codebooks(first: dict[str, torch.Tensor], bits: int) -> list[list[float]]:
+    """The codebook one process learns from these first gradients: with the batch split, DDP's
+    averaged gradient differs from the whole batch's by fp32 rounding, and an exact DP codebook
+    is not continuous in its input (a sample crossing a histogram bin edge can move a sparse
+    tail level by a fraction of a bin), so the split run is held to the codebook of its own
+    gradient, exactly, rather than to the whole batch's within a tolerance."""
+    solo = build("gpt")
+    for n, p in solo.named_parameters():
+        p.grad = first[n].clone()
+    opt = gefen(solo.parameters(), bits)
+    opt.step()
+    return codebooks(opt)
+
+
 def run(steps: int, bits: int, split: bool, ref: dict) -> dict:
     model = DDP(build("gpt"))
     opt = gefen(model.parameters(), bits)
-    losses = train("gpt", model, opt, 0, steps, split)
     names = {p: n.removeprefix("module.") for n, p in model.named_parameters()}
+    first: dict[str, torch.Tensor] = {}
+    step = opt.step
+
+    def step_keeping_the_first_gradients(*args, **kwargs):
+        if not first:
+            first.update({names[p]: p.grad.detach().clone() for p in model.parameters()})
+        return step(*args, **kwargs)
+
+    opt.step = step_keeping_the_first_gradients
+    losses = train("gpt", model, opt, 0, steps, split)
     drift = {
         names[p]: (p.detach() - ref["params"][names[p]]).abs().max().item()
         for p in model.parameters()
@@ -45,6 +69,7 @@ def run(steps: int, bits: int, split: bool, ref: dict) -> dict:
     return dict(
         losses=losses,
         codebooks=codebooks(opt),
+        solo_codebooks=solo_codebooks(first, bits),
         blocks={names[p]: int(st["layout"][0, 3]) for p, st in opt.state.items()},
         digest=state_digest(opt),
         param_drift=drift,
@@ -95,3 +120,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py

@@ -7,6 +7,7 @@ ranks' gradients as ZeRO does, (g0 + g1) / 2, which is exact in fp32 for 2 ranks
 gradient, and with it block sizes and codebook, is bitwise the same on both sides.
 """
 
+import gc
 import functools
 import json
 import sys
@@ -274,3 +275,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py

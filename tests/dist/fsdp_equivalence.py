@@ -10,6 +10,7 @@ raise.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -136,3 +137,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py

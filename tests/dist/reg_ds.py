@@ -6,6 +6,7 @@ OUT/rank{r}.json. The script imports deepspeed first and then only ``gefen_dist`
 loads its config from ``configs/`` (the CPU variants) so the shipped files are what is run.
 """
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -90,3 +91,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py

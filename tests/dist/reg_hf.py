@@ -8,6 +8,7 @@ checkpoint-3 in a second launch (Accelerate allows one DeepSpeed Accelerator per
 losses and final weights must equal the first run's. Writes OUT/rank{r}.json.
 """
 
+import gc
 import hashlib
 import json
 import os
@@ -103,3 +104,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
