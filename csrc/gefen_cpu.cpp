@@ -230,6 +230,28 @@ inline void encode(uint8_t* codes, int64_t lo, int64_t hi, bool four, const int3
   if (i < hi) put_code(codes, i, idx[i - lo], true);
 }
 
+// The next block's (or column row's) parameter and gradient, which requantize_range prefetches
+// while it computes: the update loop before it waits on memory, requantize on arithmetic. A line
+// of each per 16 elements, spread through the loop rather than issued at once before it
+// (the burst was 7609be4: 0.79x / 0.87-0.90x its 4- / 8-bit 100M step, results/step_speed/
+// kernel_ab_prefetch.json).
+struct Prefetch {
+  const char* p;
+  int64_t p_bytes;
+  const char* g;
+  int64_t g_bytes;
+  template <class P, class G>
+  Prefetch(const P* p_next, const G* g_next, int64_t n)
+      : p(reinterpret_cast<const char*>(p_next)),
+        p_bytes(n * static_cast<int64_t>(sizeof(P))),
+        g(reinterpret_cast<const char*>(g_next)),
+        g_bytes(n * static_cast<int64_t>(sizeof(G))) {}
+  void line(int64_t offset) const {  // the 64 bytes at ``offset`` of each, where it has them
+    if (offset < p_bytes) __builtin_prefetch(p + offset, 1);
+    if (offset < g_bytes) __builtin_prefetch(g + offset, 0);
+  }
+};
+
 // Codes of x[i] = buf[i] / scale[i] (kPer) or buf[i] / scale_one, element i being element
 // first + i of its tensor. 4 bits: stochastic rounding, codes.stochastic_quantize with u =
 // codes.uniforms(step, index) (``key`` = codes.step_key(step)); the two neighbouring levels
@@ -238,16 +260,13 @@ inline void encode(uint8_t* codes, int64_t lo, int64_t hi, bool four, const int3
 // level; ``table`` (codes.code_table) gives, per cell of a uniform grid over [-1, 1], the
 // answer for any x in the cell when no midpoint lies in or next to it, else -1 - (the
 // midpoints below its left edge): one load for most elements, an exact walk from
-// there for the few near a midpoint. While it computes, it prefetches the ``pf0_bytes`` and
-// ``pf1_bytes`` at ``pf0`` and ``pf1`` (the next block's or row's p and g: the update's own
-// loop waits on memory, this one on arithmetic), one line of each per 16 elements: spread out
-// rather than issued at once, they cut a 100M-parameter step by 15-20 % here.
+// there for the few near a midpoint. While it computes, it prefetches ``next`` one line of each
+// stream per 16 elements.
 template <bool kPer>
 inline void requantize_range(const float* __restrict buf, const float* __restrict scale,
                              float scale_one, int64_t n, bool four, const float* levels,
                              const float* mp, int n_mids, const int32_t* table, int64_t first,
-                             uint32_t key, int32_t* __restrict idx, const char* pf0,
-                             int64_t pf0_bytes, const char* pf1, int64_t pf1_bytes) {
+                             uint32_t key, int32_t* __restrict idx, const Prefetch& next) {
   if (four) {
     float lv[16];
     for (int t = 0; t < 16; ++t) lv[t] = levels[t];
@@ -262,9 +281,7 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
       const __m512i one = _mm512_set1_epi32(1), keys = _mm512_set1_epi32(static_cast<int32_t>(key));
       const __m512i c1 = _mm512_set1_epi32(0x7FEB352D), c2 = _mm512_set1_epi32(0x846CA68B);
       for (; i0 + 16 <= n; i0 += 16) {
-        const int64_t line = i0 * 4;  // one 64-byte line of each stream per 16 elements
-        if (line < pf0_bytes) __builtin_prefetch(pf0 + line, 1);
-        if (line < pf1_bytes) __builtin_prefetch(pf1 + line, 0);
+        next.line(i0 * 4);  // 16 fp32 elements: one 64-byte line
         const __m512 d = kPer ? _mm512_loadu_ps(scale + i0) : _mm512_set1_ps(scale_one);
         const __m512 x = _mm512_div_ps(_mm512_loadu_ps(buf + i0), d);
         const int32_t base = static_cast<int32_t>(static_cast<uint32_t>(first + i0));
@@ -293,11 +310,7 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
     const __m256i c1 = _mm256_set1_epi32(0x7FEB352D), c2 = _mm256_set1_epi32(0x846CA68B);
     const __m256i keys = _mm256_set1_epi32(static_cast<int32_t>(key));
     for (; i0 + 8 <= n; i0 += 8) {
-      if ((i0 & 15) == 0) {
-        const int64_t line = i0 * 4;
-        if (line < pf0_bytes) __builtin_prefetch(pf0 + line, 1);
-        if (line < pf1_bytes) __builtin_prefetch(pf1 + line, 0);
-      }
+      if ((i0 & 15) == 0) next.line(i0 * 4);
       const __m256 d = kPer ? _mm256_loadu_ps(scale + i0) : _mm256_set1_ps(scale_one);
       const __m256 x = _mm256_div_ps(_mm256_loadu_ps(buf + i0), d);
       const int32_t base = static_cast<int32_t>(static_cast<uint32_t>(first + i0));
@@ -342,10 +355,7 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
   }
   int near = 0;
   for (int64_t c0 = 0; c0 < n; c0 += 64) {
-    for (int64_t line = c0 * 4; line < c0 * 4 + 256; line += 64) {
-      if (line < pf0_bytes) __builtin_prefetch(pf0 + line, 1);
-      if (line < pf1_bytes) __builtin_prefetch(pf1 + line, 0);
-    }
+    for (int64_t line = c0 * 4; line < c0 * 4 + 256; line += 64) next.line(line);
     const int64_t e = std::min(n, c0 + 64);
 #pragma omp simd reduction(+ : near)
     for (int64_t i = c0; i < e; ++i) {
@@ -418,13 +428,9 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
                       : move<PT, GT, false, false>(buf, pb, gb, n, old, denom, sv, nullptr, h);
   }
   absmax[j] = amax;
-  const int64_t next = std::min(block, numel - hi);  // elements of the next block
   const float scale = amax > 0.0f ? amax : 1.0f;
   requantize_range<false>(buf, nullptr, scale, n, four, levels, mp, n_mids, table, start + lo, key,
-                          idx, reinterpret_cast<const char*>(pb + n),
-                          next * static_cast<int64_t>(sizeof(*pb)),
-                          reinterpret_cast<const char*>(gb + n),
-                          next * static_cast<int64_t>(sizeof(*gb)));
+                          idx, Prefetch(pb + n, gb + n, std::min(block, numel - hi)));
   encode(codes, lo, hi, four, idx);
 }
 
@@ -552,14 +558,9 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
           column_move<PT, GT, true, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h);
         else
           column_move<PT, GT, false, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h);
-        // the next row's p and g, while this one requantises
-        const int64_t nw = std::max<int64_t>(0, std::min(numel, hi + period) - hi);
+        const int64_t next = std::min(period, numel - hi);  // the next row's elements
         requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, levels, mp, n_mids, table,
-                               start + lo, key, idx.data(),
-                               reinterpret_cast<const char*>(pt + hi),
-                               nw * static_cast<int64_t>(sizeof(*pt)),
-                               reinterpret_cast<const char*>(gt + hi),
-                               nw * static_cast<int64_t>(sizeof(*gt)));
+                               start + lo, key, idx.data(), Prefetch(pt + hi, gt + hi, next));
         encode(codes, lo, hi, four, idx.data());
       }
     }
