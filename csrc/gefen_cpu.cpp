@@ -233,7 +233,7 @@ inline void encode(uint8_t* codes, int64_t lo, int64_t hi, bool four, const int3
 // The next block's (or column row's) parameter and gradient, which requantize_range prefetches
 // while it computes: the update loop before it waits on memory, requantize on arithmetic. A line
 // of each per 16 elements, spread through the loop rather than issued at once before it
-// (the burst was 7609be4: 0.79x / 0.87-0.90x its 4- / 8-bit 100M step, results/step_speed/
+// (the burst was 7609be4: 0.79x / 0.90x its 4- / 8-bit 100M step, results/step_speed/
 // kernel_ab_prefetch.json).
 struct Prefetch {
   const char* p;
