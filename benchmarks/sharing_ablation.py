@@ -2,7 +2,7 @@
 tensor, paired with AdamW over seeds.
 
 Each config is a list of ``pattern=value`` rules applied to the block size the partition chose
-for every parameter whose name contains ``pattern``: ``1`` (no sharing: exact AdamW state),
+for every parameter whose name contains ``pattern``: ``1`` (no sharing: per-element state),
 ``rows`` (the contiguous rule alone, no columns) or an integer block size. One subprocess per
 (config, seed), at most two at once, each with one torch thread; the same init, data and
 schedule as ``python -m gefen_dist.bench compare``.

@@ -49,6 +49,14 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch
   return static_cast<uint16_t>(u >> 16);
 }
 
+// codes.round_bf16: the magnitude rounds up when its low 16 bits plus r (< 2^16) carry
+inline uint16_t f32_to_bf16_stochastic(float f, uint32_t r) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  return static_cast<uint16_t>((u + r) >> 16);
+}
+
 // Element access by dtype, on typed pointers: loops over them vectorise, where a runtime dtype
 // switch on void pointers kept GCC to scalar code (alias checks it could not prove).
 template <int DT> struct Elem;
@@ -568,32 +576,36 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
   std::copy(amax.begin(), amax.end(), absmax);
 }
 
+// B = 1 (reference.dense_update): AdamW on bf16 m and v, stored back rounded stochastically with
+// the two halves of the element's hash; ``first`` is the tile's first index in its tensor
 template <int PT, int GT, bool kLow>
 inline void dense_tile(typename Elem<PT>::T* __restrict p, const typename Elem<GT>::T* __restrict g,
-                       float* __restrict m, float* __restrict v, int64_t n, const Hyper& h) {
+                       uint16_t* __restrict m, uint16_t* __restrict v, int64_t n, const Hyper& h,
+                       int64_t first, uint32_t key) {
   const float w1 = 1.0f - h.w;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float gi = Elem<GT>::get(g[i]);
     const float pi = Elem<PT>::get(p[i]) * h.decay;
-    const float mi = lerp<kLow>(m[i], gi, h.w, w1);
-    const float vi = v[i] * h.beta2 + h.a2 * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
+    const float mi = lerp<kLow>(bf16_to_f32(m[i]), gi, h.w, w1);
+    const float vi = bf16_to_f32(v[i]) * h.beta2 + h.a2 * gi * gi;
+    const uint32_t r = mix32(static_cast<uint32_t>(first + i) ^ key);
+    m[i] = f32_to_bf16_stochastic(mi, r & 0xffffu);
+    v[i] = f32_to_bf16_stochastic(vi, r >> 16);
     const float denom = std::sqrt(vi) / h.bc2 + h.eps;
     p[i] = Elem<PT>::put(pi + h.neg_step * (mi / denom));
   }
 }
 
 template <int PT, int GT>
-void dense_range(void* p, const void* g, float* m, float* v, int64_t lo, int64_t hi,
-                 const Hyper& h) {
+void dense_range(void* p, const void* g, uint16_t* m, uint16_t* v, int64_t lo, int64_t hi,
+                 const Hyper& h, int64_t start, uint32_t key) {
   auto* pt = static_cast<typename Elem<PT>::T*>(p) + lo;
   const auto* gt = static_cast<const typename Elem<GT>::T*>(g) + lo;
   if (h.w < 0.5f)
-    dense_tile<PT, GT, true>(pt, gt, m + lo, v + lo, hi - lo, h);
+    dense_tile<PT, GT, true>(pt, gt, m + lo, v + lo, hi - lo, h, start + lo, key);
   else
-    dense_tile<PT, GT, false>(pt, gt, m + lo, v + lo, hi - lo, h);
+    dense_tile<PT, GT, false>(pt, gt, m + lo, v + lo, hi - lo, h, start + lo, key);
 }
 
 // The segment table's columns, as csrc/gefen_cuda.h (one table format for both backends).
@@ -608,7 +620,8 @@ using BlockFn = void (*)(int64_t, void*, const void*, uint8_t*, float*, float*, 
                          const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
                          uint32_t, const Hyper&, const float*, const float*, bool, float*,
                          int32_t*);
-using DenseFn = void (*)(void*, const void*, float*, float*, int64_t, int64_t, const Hyper&);
+using DenseFn = void (*)(void*, const void*, uint16_t*, uint16_t*, int64_t, int64_t, const Hyper&,
+                         int64_t, uint32_t);
 using ColumnFn = void (*)(void*, const void*, uint8_t*, float*, float*, const float*,
                           const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
                           uint32_t, const Hyper&, const float*, const float*, int);
@@ -838,8 +851,9 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
     const void* g = reinterpret_cast<const void*>(m[kG]);
     if (m[kBlock] == 1) {
       const int64_t lo = j * kDenseTile, hi = std::min(lo + kDenseTile, m[kNumel]);
-      r.fn.dense(p, g, reinterpret_cast<float*>(m[kExpAvg]),
-                 reinterpret_cast<float*>(m[kExpAvgSq]), lo, hi, r.h);
+      r.fn.dense(p, g, reinterpret_cast<uint16_t*>(m[kExpAvg]),
+                 reinterpret_cast<uint16_t*>(m[kExpAvgSq]), lo, hi, r.h, m[kStart],
+                 static_cast<uint32_t>(m[kStepKey]));
       return;
     }
     r.fn.block(j, p, g, reinterpret_cast<uint8_t*>(m[kCodes]),

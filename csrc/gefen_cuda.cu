@@ -75,6 +75,17 @@ __device__ __forceinline__ uint32_t mix32(uint32_t x) {  // "lowbias32", as code
   return x ^ (x >> 16);
 }
 
+// codes.round_bf16: bf16 bits of x, the magnitude rounded up when its low 16 bits plus r carry
+__device__ __forceinline__ uint16_t bf16_stochastic(float x, uint32_t r) {
+  const uint32_t u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  return static_cast<uint16_t>((u + r) >> 16);
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+
 // 4-bit requantisation: codes.stochastic_quantize of one element with u = codes.uniforms(step,
 // index); ``key`` is codes.step_key(step), ``index`` the element's index in its tensor.
 __device__ __forceinline__ int stochastic(float x, const float* levels, int64_t index,
@@ -266,18 +277,22 @@ __global__ void __launch_bounds__(kThreads) dense_kernel(const int64_t* __restri
   const float* h = hyp + static_cast<int64_t>(s) * kHypCols;
   void* p = reinterpret_cast<void*>(m[kP]);
   const void* g = reinterpret_cast<const void*>(m[kG]);
-  float* ea = reinterpret_cast<float*>(m[kExpAvg]);
-  float* es = reinterpret_cast<float*>(m[kExpAvgSq]);
+  uint16_t* ea = reinterpret_cast<uint16_t*>(m[kExpAvg]);  // bf16 bits (reference.dense_update)
+  uint16_t* es = reinterpret_cast<uint16_t*>(m[kExpAvgSq]);
+  const int64_t start = m[kStart];
+  const uint32_t key = static_cast<uint32_t>(m[kStepKey]);
   const int pt = static_cast<int>(m[kPDtype]), gt = static_cast<int>(m[kGDtype]);
   const int64_t lo = (tile - prefix[s]) * kDenseTile;
   const int64_t hi = min(lo + kDenseTile, m[kNumel]);
   for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
     const float gi = load(g, i, gt);
     const float pi = __fmul_rn(load(p, i, pt), h[kDecay]);
-    const float mi = lerp(ea[i], gi, h[kW]);
-    const float vi = __fadd_rn(__fmul_rn(es[i], h[kBeta2]), __fmul_rn(__fmul_rn(h[kA2], gi), gi));
-    ea[i] = mi;
-    es[i] = vi;
+    const float mi = lerp(bf16_bits_to_float(ea[i]), gi, h[kW]);
+    const float vi = __fadd_rn(__fmul_rn(bf16_bits_to_float(es[i]), h[kBeta2]),
+                               __fmul_rn(__fmul_rn(h[kA2], gi), gi));
+    const uint32_t r = mix32(static_cast<uint32_t>(start + i) ^ key);
+    ea[i] = bf16_stochastic(mi, r & 0xffffu);
+    es[i] = bf16_stochastic(vi, r >> 16);
     const float denom = __fadd_rn(__fdiv_rn(sqrtf(vi), h[kBc2]), h[kEps]);
     store(p, i, __fadd_rn(pi, __fmul_rn(h[kNegStep], __fdiv_rn(mi, denom))), pt);
   }

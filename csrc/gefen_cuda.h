@@ -24,8 +24,8 @@ enum Meta : int {
   kBits,          // 4 or 8
   kPDtype,        // 0 fp32, 1 bf16, 2 fp16
   kGDtype,        // same codes
-  kExpAvg,        // fp32 m per element (B = 1)
-  kExpAvgSq,      // fp32 v per element (B = 1)
+  kExpAvg,        // bf16 m per element (B = 1), stochastically rounded
+  kExpAvgSq,      // bf16 v per element (B = 1), stochastically rounded
   kNLevels,       // 16 or 256
   kStepKey,       // codes.step_key(step): 4-bit stochastic rounding's per-step hash
   kFactor,        // fp32 reference.cross_factor of the segment (B != 1), or 0 for none

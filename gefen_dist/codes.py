@@ -62,8 +62,27 @@ def uniforms(step: int, index: torch.Tensor) -> torch.Tensor:
     hash, not a generator, so every backend, rank layout and resumed run draws the same u for
     the same (step, element of its tensor). The native kernels compute the same function:
     h = mix(index ^ mix(step)), mix the 32-bit "lowbias32" finaliser, u = (h >> 8) * 2^-24."""
-    h = _mix32((index.to(torch.int64) & _M32) ^ step_key(step))
+    h = hash_bits(step, index)
     return (h >> 8).to(torch.float32) * (2.0**-24)
+
+
+def hash_bits(step: int, index: torch.Tensor) -> torch.Tensor:
+    """h = mix(index ^ mix(step)), 32 bits in int64: the counter hash ``uniforms`` and
+    ``round_bf16`` draw from."""
+    return _mix32((index.to(torch.int64) & _M32) ^ step_key(step))
+
+
+def round_bf16(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` stochastically rounded to bf16 with ``r`` (int64 in [0, 2^16)): the magnitude
+    rounds up with probability (its low 16 bits) / 2^16, so the rounding is unbiased and an EMA
+    stored in bf16 keeps moving by steps far below its spacing (nearest rounding would freeze a
+    second moment whose change per step, (1 - b2) (g^2 - v), is under half an ulp: with b2 =
+    0.999 whenever g^2 is within ~0.4 v). NaN stays NaN (quiet)."""
+    bits = x.float().contiguous().view(torch.int32).to(torch.int64) & _M32
+    out = (bits + r) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    out = torch.where(nan, (bits >> 16) | 0x40, out)
+    return (out - ((out & 0x8000) << 1)).to(torch.int16).view(torch.bfloat16)
 
 
 def stochastic_quantize(x: torch.Tensor, levels: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -128,8 +128,8 @@ def _self_check(device: torch.device) -> None:
             nb = num_blocks(start, numel, block)
             st = SegmentState(start, numel, block)
             if block == 1:
-                st.exp_avg = torch.zeros(numel, device=device)
-                st.exp_avg_sq = torch.zeros(numel, device=device)
+                st.exp_avg = torch.zeros(numel, dtype=torch.bfloat16, device=device)
+                st.exp_avg_sq = torch.zeros(numel, dtype=torch.bfloat16, device=device)
             else:
                 st.codes = torch.zeros(
                     numel if bits == 8 else (numel + 1) // 2, dtype=torch.uint8, device=device
@@ -155,10 +155,12 @@ def _self_check(device: torch.device) -> None:
         if not err <= tol:
             raise RuntimeError(f"parameters differ by {err.item():.3g} (bits={bits}, B={block})")
         pairs = [("v", 1e-5), ("absmax", 1e-5), ("v_cross", 1e-5)]
-        pairs = pairs if block != 1 else [("exp_avg_sq", 1e-5)]
+        # bf16 B = 1 state: an fp32 result an ulp apart may carry differently (one bf16 ulp)
+        pairs = pairs if block != 1 else [("exp_avg", 1e-2), ("exp_avg_sq", 1e-2)]
         for k, rtol in pairs:
-            a, b = getattr(sts[1], k), getattr(sts[0], k)
-            if not ((a - b).abs() <= rtol * b.abs() + 1e-30).all():
+            a, b = getattr(sts[1], k).float(), getattr(sts[0], k).float()
+            floor = 1e-6 * b.abs().max() if block == 1 else 1e-30  # m where a lerp cancels
+            if not ((a - b).abs() <= rtol * b.abs() + floor).all():
                 raise RuntimeError(f"{k} differs (bits={bits}, B={block})")
 
 

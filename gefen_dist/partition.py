@@ -38,7 +38,7 @@ The rule, exactly:
 Why step 6: the fallback to B = 1 protects elements that differ in ways no block follows, but
 R cannot tell those from elements that do not differ at all: i.i.d. noise of one variance has
 R = 1 too. The suite's 3x3 convolutions behind BatchNorm (c = 0.09-0.33 over seeds) and the q/k
-projections of an initialised Llama-3 are of that kind, and kept 8 bytes/param for nothing.
+projections of an initialised Llama-3 are of that kind, and kept per-element state for nothing.
 ALIKE = 0.5 lets the elements' variances spread by a CV of 0.7: with lognormal variances, one
 shared v then moves each step by an RMS of 0.5 |ln(v_i / v_block)| ~ 0.33 at g0, the size of the
 error the rule's own blocks carry later in training (0.24-0.35 at step 440 on the GRU,
@@ -48,7 +48,7 @@ error the rule's own blocks carry later in training (0.24-0.35 at step 440 on th
 Why columns: the first gradients of some weights vary along the input axis, not the output axis
 (an MLP's down projection: within-row R 0.93, within-column 0.69, measured by
 ``benchmarks/row_col_structure.py``). Contiguous blocks cannot express that, so those tensors fell
-back to B = 1 and 8 bytes/param.
+back to B = 1 and per-element state (4 bytes/param; 8 while it was fp32).
 
 Why the largest jump rather than the first: real first gradients have small dips at fine scales
 (a GPT's attention c_proj: R(8) = 0.67, R(16) = 0.73, flat to R(256) = 0.75, then R(512) = 0.88);

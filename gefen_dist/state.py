@@ -13,7 +13,8 @@ the concatenation of its segments' pieces in segment order:
 - ``v_cross`` fp32, the second moment's factor across the blocks of the segment's tensor, all
   ``reference.cross_length`` entries of it (a copy per piece where the tensor is spread over
   ranks; ``reference``, the factor)
-- ``exp_avg``, ``exp_avg_sq`` fp32, one per element of segments with B = 1 (exact AdamW state)
+- ``exp_avg``, ``exp_avg_sq`` bf16, one per element of segments with B = 1 (AdamW's m and v,
+  rounded stochastically: ``reference.dense_update``)
 - ``step``    fp32 scalar, as AdamW
 
 None of these has the parameter's shape or size (but for a parameter that is all B = 1), and all
@@ -41,6 +42,7 @@ STATE_KEYS = (
 )
 GROWING_KEYS = ("codes", "absmax", "v", "v_cross", "exp_avg", "exp_avg_sq")
 LAYOUT_COLS = 5
+DENSE_DTYPE = torch.bfloat16
 
 
 def _cross_entries(seg: Segment, block_size: int) -> int:
@@ -79,8 +81,8 @@ def allocate(
         "absmax": torch.zeros(n_blocks, **f32),
         "v": torch.zeros(n_blocks, **f32),
         "v_cross": torch.zeros(n_cross, **f32),
-        "exp_avg": torch.zeros(n_dense, **f32),
-        "exp_avg_sq": torch.zeros(n_dense, **f32),
+        "exp_avg": torch.zeros(n_dense, dtype=DENSE_DTYPE, device=device),
+        "exp_avg_sq": torch.zeros(n_dense, dtype=DENSE_DTYPE, device=device),
     }
 
 
@@ -121,9 +123,19 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 
 
 def upgrade(state: dict, segments: list[Segment]) -> dict:
-    """A state saved before ``v_cross`` existed (a 4-column layout), given its column of
-    v_cross entries and zeros for them: the factor is a ratio, so it is exact again after one
-    step (``reference``). Anything that does not fit is left for ``check_loaded`` to name."""
+    """A state saved by an earlier version, in today's format. Before ``v_cross`` existed (a
+    4-column layout): given its column of v_cross entries and zeros for them; the factor is a
+    ratio, so it is exact again after one step (``reference``). Before B = 1 state was bf16:
+    fp32 ``exp_avg``/``exp_avg_sq`` rounded to the nearest bf16 once. Anything that does not
+    fit is left for ``check_loaded`` to name."""
+    state = {
+        **state,
+        **{
+            k: state[k].to(DENSE_DTYPE)
+            for k in ("exp_avg", "exp_avg_sq")
+            if isinstance(state.get(k), torch.Tensor) and state[k].dtype == torch.float32
+        },
+    }
     layout = state.get("layout")
     if "v_cross" in state or not isinstance(layout, torch.Tensor) or "v" not in state:
         return state

@@ -257,3 +257,36 @@ def test_a_v_cross_of_the_wrong_length_is_refused_by_name():
     sd["state"][pid] = dict(sd["state"][pid], v_cross=sd["state"][pid]["v_cross"][:-1].clone())
     with pytest.raises(ValueError, match="v_cross"):
         Gefen(model.parameters(), lr=3e-3).load_state_dict(sd)
+
+
+def test_a_state_saved_with_fp32_b1_state_loads_as_bf16():
+    """Before B = 1 state was bf16 it was fp32: such a checkpoint loads, rounded to bf16 once
+    (these values were bf16 already, so exactly), and the run continues as if it had never
+    been saved. Another dtype is refused by name."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = Gefen(model.parameters(), lr=3e-3, weight_decay=0.1)
+    _train(model, opt, 3)
+    dense = [pid for pid, st in opt.state_dict()["state"].items() if st["exp_avg"].numel()]
+    assert dense, "no tensor of the model keeps B = 1 state: the test checks nothing"
+    sd = copy.deepcopy(opt.state_dict())
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, 2, first=3)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+
+    old = copy.deepcopy(sd)
+    for pid in dense:
+        for k in ("exp_avg", "exp_avg_sq"):
+            old["state"][pid][k] = old["state"][pid][k].float()
+    model.load_state_dict(weights)
+    again = Gefen(model.parameters(), lr=3e-3, weight_decay=0.1)
+    again.load_state_dict(old)
+    assert all(st["exp_avg_sq"].dtype == torch.bfloat16 for st in again.state.values())
+    _train(model, again, 2, first=3)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+    bad = copy.deepcopy(sd)
+    bad["state"][dense[0]]["exp_avg"] = bad["state"][dense[0]]["exp_avg"].half()
+    with pytest.raises(ValueError, match="exp_avg.*float16.*expected torch.bfloat16"):
+        Gefen(model.parameters(), lr=3e-3).load_state_dict(bad)

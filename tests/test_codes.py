@@ -144,3 +144,27 @@ def test_stochastic_rounding_lets_a_quiet_first_moment_decay():
     exact = 0.3 * (1 - 0.9**10) * 0.9**50  # AdamW's m of a quiet entry
     assert run(stochastic=False) > 0.1  # stuck
     assert abs(run(stochastic=True) - exact) < 0.01
+
+
+def test_round_bf16_is_unbiased_between_neighbouring_bf16_values():
+    x = torch.tensor([1.0 + 2**-9, -3.3, 3e-30, 0.7, 1e30])
+    lo = x.to(torch.bfloat16).float()  # a neighbour; the other is one spacing away
+    n = 20000
+    r = codes.hash_bits(7, torch.arange(n * x.numel())).view(n, -1)
+    out = torch.stack([codes.round_bf16(x, r[i] & 0xFFFF) for i in range(n)]).float()
+    spacing = (x.abs() * 2**-7).float()
+    assert bool(((out - x).abs() < spacing * 1.01).all())  # only the two neighbours
+    assert torch.allclose(out.mean(0), x, rtol=2e-4)  # E = x
+    assert len(set(out[:, 0].tolist())) == 2 and lo[0] in out[:, 0]
+    exact = torch.tensor([1.0, -2.5, 0.0, -0.0, float("inf")])
+    for bits in (0, 0xFFFF):
+        same = codes.round_bf16(exact, torch.full((5,), bits))
+        assert torch.equal(same.float(), exact)  # a bf16 value stays itself
+    nan = codes.round_bf16(torch.tensor([float("nan")]), torch.tensor([0xFFFF]))
+    assert bool(nan.isnan().all())
+
+
+def test_round_bf16_uses_the_hash_that_uniforms_uses():
+    idx = torch.arange(1000)
+    h = codes.hash_bits(5, idx)
+    assert torch.equal((h >> 8).float() * 2.0**-24, codes.uniforms(5, idx))

@@ -362,7 +362,7 @@ def _goal_lines(g: dict) -> list[str]:
 
 
 def _fallback_lines(cells: dict, task: tasks.Task, g: dict) -> list[str]:
-    """Which tensors Gefen kept at B = 1 (exact AdamW state, 8 bytes/param): the reason its
+    """Which tensors Gefen kept at B = 1 (per-element bf16 m and v, 4 bytes/param): the reason its
     bytes/param can exceed a peer's."""
     L = []
     missed = {x["gefen"] for x in g["a"] if x["task"] == task.name and not x["ok"]}
