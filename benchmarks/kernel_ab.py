@@ -7,8 +7,10 @@ alternating. First, from the same parameters, 20 steps on each must leave parame
 bit-identical (gradients rescaled per step, so the state moves), else the script stops: a
 faster kernel that rounds differently is a different optimizer.
 
-    python benchmarks/kernel_ab.py --base 2ca11dd [--sets gpt,100m] [--bits 4,8]
+    python benchmarks/kernel_ab.py --base REV [--sets gpt,100m] [--bits 4,8]
         [--threads 1] [--rounds 7] [--json out.json]
+
+REV must be 094ad65 or later (before it, B = 1 state was fp32).
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ def main() -> None:
         text=True,
         check=True,
     ).stdout
+    if "f32_to_bf16_stochastic" not in base:
+        sys.exit(
+            f"--base {a.base}: its kernel keeps B = 1 state in fp32 (before 094ad65); the state "
+            "here is bf16, which it would overrun. Compare with 094ad65 or later."
+        )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         libs = [

@@ -76,8 +76,9 @@ def round_bf16(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """fp32 ``x`` stochastically rounded to bf16 with ``r`` (int64 in [0, 2^16)): the magnitude
     rounds up with probability (its low 16 bits) / 2^16, so the rounding is unbiased and an EMA
     stored in bf16 keeps moving by steps far below its spacing (nearest rounding would freeze a
-    second moment whose change per step, (1 - b2) (g^2 - v), is under half an ulp: with b2 =
-    0.999 whenever g^2 is within ~0.4 v). NaN stays NaN (quiet)."""
+    second moment whose change per step, (1 - b2) (g^2 - v), is under half a spacing, 2^-9 to
+    2^-8 of v: with b2 = 0.999 whenever |g^2 - v| < 2 v or so, that is nearly always). NaN stays
+    NaN (quiet)."""
     bits = x.float().contiguous().view(torch.int32).to(torch.int64) & _M32
     out = (bits + r) >> 16
     nan = (bits & 0x7FFFFFFF) > 0x7F800000

@@ -59,9 +59,9 @@ def test_no_sharing_follows_adamw_within_bf16_state(dtype_wd):
 
 
 def test_bf16_second_moment_does_not_freeze():
-    """With b2 = 0.999 and |g| = 1, v's change per step is below half a bf16 spacing from v ~ 0.3
-    on: nearest rounding would stop v there. Stochastic rounding keeps it on AdamW's fp32 EMA,
-    1 - b2^t, on average over elements."""
+    """With b2 = 0.999 and |g| = 1, v's change per step, 0.001 (1 - v), falls under half a bf16
+    spacing (2^-10) once v reaches 0.25: nearest rounding would stop v there. Stochastic rounding
+    keeps it on AdamW's fp32 EMA, 1 - b2^t, on average over elements."""
     n, steps, b2 = 512, 1000, 0.999
     p = torch.zeros(n, requires_grad=True)
     opt = Gefen([p], lr=0.0, betas=(0.9, b2), weight_decay=0.0)
