@@ -17,7 +17,7 @@ start. The optimizer then chooses the single-process block sizes and codebook on
 FSDP2 (DTensor parameters) needs nothing for training; the core reads DTensor layouts itself.
 
 Checkpoints. Gefen's state is not shaped like the parameter (packed codes, one scale and one v
-per block, fp32 moments only where B = 1) and it differs per rank. Both frameworks assume the
+per block, bf16 moments only where B = 1) and it differs per rank. Both frameworks assume the
 opposite: FSDP1 treats every positive-dim state tensor as flat-shard shaped and all-gathers and
 unflattens it, and ``torch.distributed.checkpoint`` (DCP) treats a plain tensor that appears under
 the same key on every rank as replicated and keeps one rank's copy. ``configure`` therefore
