@@ -41,20 +41,19 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // codes.round_bf16: the magnitude rounds up when its low 16 bits plus r (< 2^16) carry
 inline uint16_t f32_to_bf16_stochastic(float f, uint32_t r) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
   return static_cast<uint16_t>((u + r) >> 16);
+}
+
+// round to nearest even, as torch: the same carry with r = 0x7fff, 0x8000 above an odd last bit
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return f32_to_bf16_stochastic(f, 0x7fffu + ((u >> 16) & 1u));
 }
 
 // Element access by dtype, on typed pointers: loops over them vectorise, where a runtime dtype
