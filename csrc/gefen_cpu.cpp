@@ -129,17 +129,24 @@ inline int nearest_exact(float x, const float* mp, int n_mids, int k) {
 
 #ifdef __AVX512F__
 // 4 bits with AVX-512: the 16 levels fill one register, so a level is one permute, and the
-// interior-level count (the number of lv[1..14] <= x) is a four-step binary search over it
-// (``search``: the levels with +inf at 15, so the search never passes 14). The count and the
-// search agree for sorted levels (state.check_loaded refuses unsorted ones): same codes.
-inline __m512i count16(__m512 search, __m512 x) {
-  __m512i k = _mm512_setzero_si512();
-  for (int step = 8; step > 0; step >>= 1) {
-    const __m512i c = _mm512_add_epi32(k, _mm512_set1_epi32(step));
-    k = _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(c, search), x,
-                                                    _CMP_LE_OQ), c);
-  }
-  return k;
+// interior-level count (the number of lv[1..14] <= x) takes two rounds of three independent
+// compares: against lv[4], lv[8], lv[12] for the group of four, then against the group's next
+// three levels, fetched by permutes from ``search`` (the levels with +inf at 15). For sorted
+// levels (state.check_loaded refuses unsorted ones) that is the count: same codes as a binary
+// search, whose four dependent permute-compare steps left the loop waiting on their latency.
+inline __m512i count16(__m512 search, __m512 x, __m512 l4, __m512 l8, __m512 l12) {
+  const __m512i one = _mm512_set1_epi32(1), four = _mm512_set1_epi32(4);
+  __m512i k = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(l4, x, _CMP_LE_OQ), four);
+  k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(l8, x, _CMP_LE_OQ), k, four);
+  k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(l12, x, _CMP_LE_OQ), k, four);
+  const __m512i k1 = _mm512_add_epi32(k, one), k2 = _mm512_add_epi32(k, _mm512_set1_epi32(2)),
+                k3 = _mm512_add_epi32(k, _mm512_set1_epi32(3));
+  const __mmask16 a = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(k1, search), x, _CMP_LE_OQ);
+  const __mmask16 b = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(k2, search), x, _CMP_LE_OQ);
+  const __mmask16 c = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(k3, search), x, _CMP_LE_OQ);
+  k = _mm512_mask_add_epi32(k, a, k, one);
+  k = _mm512_mask_add_epi32(k, b, k, one);
+  return _mm512_mask_add_epi32(k, c, k, one);
 }
 #endif
 
@@ -284,6 +291,8 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
       std::copy(lv, lv + 15, srch);
       srch[15] = INFINITY;
       const __m512 lv16 = _mm512_loadu_ps(lv), search = _mm512_loadu_ps(srch);
+      const __m512 l4 = _mm512_set1_ps(lv[4]), l8 = _mm512_set1_ps(lv[8]),
+                   l12 = _mm512_set1_ps(lv[12]);
       const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       const __m512i one = _mm512_set1_epi32(1), keys = _mm512_set1_epi32(static_cast<int32_t>(key));
       const __m512i c1 = _mm512_set1_epi32(0x7FEB352D), c2 = _mm512_set1_epi32(0x846CA68B);
@@ -300,7 +309,7 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
         h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
         const __m512 u =
             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
-        const __m512i k = count16(search, x);
+        const __m512i k = count16(search, x, l4, l8, l12);
         const __m512 lo = _mm512_permutexvar_ps(k, lv16);
         const __m512 hi = _mm512_permutexvar_ps(_mm512_add_epi32(k, one), lv16);
         const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(hi, lo)),
