@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from array import array
 from pathlib import Path
 
 import torch
@@ -132,7 +133,12 @@ def step(work: list[tuple]) -> None:
     if not work:
         return
     lib = load()
-    rows, hyps, luts, factors, done = [], [], [], [], []
+    rows: list[int] = []
+    hyps: list[float] = []
+    luts: list[int] = []
+    done: list[int] = []
+    factors = []
+    hrows: dict[int, list[float]] = {}  # the optimizer passes one Hyper per group and step
     cells = lib.gefen_cpu_lut_cells()
     for p, g, st, h, levels, mids, bits, *given in work:
         if st.numel == 0:
@@ -140,26 +146,30 @@ def step(work: list[tuple]) -> None:
         f = given[0] if given else local_factor(g, st, h)
         done.append(1 if len(given) > 1 and given[1] else 0)
         factors.append(f)  # alive until the call returns
-        rows.append(table.row(p, g, st, levels, mids, bits, h.step, f))
-        hyps.append(table.hyper_row(h))
+        rows += table.row(p, g, st, levels, mids, bits, h.step, f)
+        hrow = hrows.get(id(h))
+        if hrow is None:
+            hrow = hrows[id(h)] = table.hyper_row(h)
+        hyps += hrow
         blocked8 = st.block_size != 1 and bits == 8
         luts.append(code_table(mids, cells).data_ptr() if blocked8 else 0)
     if not rows:
         return
-    meta = torch.tensor(rows, dtype=torch.int64)
-    hyp = torch.tensor(hyps, dtype=torch.float32)
-    lut = torch.tensor(luts, dtype=torch.int64)
-    v_done = torch.tensor(done, dtype=torch.uint8)
+    # flat arrays, not nested lists: torch.tensor walks a list of lists element by element
+    meta = torch.frombuffer(array("q", rows), dtype=torch.int64)
+    hyp = torch.frombuffer(array("f", hyps), dtype=torch.float32)
+    lut = torch.frombuffer(array("q", luts), dtype=torch.int64)
+    v_done = torch.frombuffer(array("B", done), dtype=torch.uint8)
     rc = lib.gefen_cpu_step(
         meta.data_ptr(),
         hyp.data_ptr(),
         lut.data_ptr(),
         v_done.data_ptr(),
-        len(rows),
+        len(luts),
         torch.get_num_threads(),
     )
     if rc != 0:
-        bad = rows[-rc - 1]
+        bad = rows[(-rc - 1) * table.META_COLS : -rc * table.META_COLS]
         raise RuntimeError(f"gefen_cpu_step refused a segment (dtypes, bits or block): {bad}")
 
 

@@ -281,18 +281,22 @@ class Gefen(Optimizer):
         items: list[tuple] = []  # (impl, p, g, segment state, hyper, levels, mids, bits, key)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            hypers: dict[int, Hyper] = {}  # by step: one object, and one table row, per value
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 st = self.state[p]
-                h = Hyper(
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=int(st["step"].item()),
-                )
+                t = int(st["step"].item())
+                h = hypers.get(t)
+                if h is None:
+                    h = hypers[t] = Hyper(
+                        lr=float(group["lr"]),
+                        beta1=beta1,
+                        beta2=beta2,
+                        eps=group["eps"],
+                        weight_decay=group["weight_decay"],
+                        step=t,
+                    )
                 levels, mids, views, keys = self._prepared(p, st)
                 bits = state.bits_of(levels)
                 flat_p = _flat(sharding.local(p), p, self)

@@ -337,3 +337,25 @@ def test_native_cross_sums_fold_each_blocks_mean_square_into_v(dtype, start, num
     assert torch.equal(vs[0], vs[1])
     with pytest.raises(ValueError, match="contiguous blocks"):
         native_cpu.cross_sums(g, start, -block, 3, v, h)
+
+
+def test_native_step_names_the_segment_it_refuses_and_writes_nothing():
+    """A row the kernel refuses (here 6-bit codes) is reported as that row of the flat table,
+    not its neighbour's, and no segment of the call moves."""
+    from gefen_dist import native_cpu, reference
+
+    h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
+    levels = torch.linspace(-1, 1, 16)
+    mids = (levels[1:] + levels[:-1]) / 2
+    bf16 = dict(dtype=torch.bfloat16)
+    dense = reference.SegmentState(
+        0, 64, 1, exp_avg=torch.zeros(64, **bf16), exp_avg_sq=torch.zeros(64, **bf16)
+    )
+    blocked = reference.SegmentState(
+        0, 64, 16, codes=torch.zeros(32, dtype=torch.uint8), absmax=torch.zeros(4), v=torch.zeros(4)
+    )
+    ps, gs = [torch.zeros(64), torch.zeros(64)], [torch.ones(64), torch.ones(64)]
+    work = [(ps[0], gs[0], dense, h, levels, mids, 4), (ps[1], gs[1], blocked, h, levels, mids, 6)]
+    with pytest.raises(RuntimeError, match=r"refused a segment .*, 0, 64, 16, 6, \d+, \d+, "):
+        native_cpu.step(work)
+    assert not ps[0].any() and not ps[1].any()
