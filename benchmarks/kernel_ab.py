@@ -10,7 +10,8 @@ faster kernel that rounds differently is a different optimizer.
     python benchmarks/kernel_ab.py --base REV [--sets gpt,100m] [--bits 4,8]
         [--threads 1] [--rounds 7] [--json out.json]
 
-REV must be 094ad65 or later (before it, B = 1 state was fp32).
+REV must be later than bdfe59e (before it the kernel had no gefen_cpu_cross_table, which the
+optimizer calls); ``step_ab.py`` compares the whole step with older revisions.
 """
 
 from __future__ import annotations
@@ -34,13 +35,10 @@ from step_speed import _cpu_model, _revision, make_params  # noqa: E402
 
 from gefen_dist import Gefen, native_cpu  # noqa: E402
 
-# what a source from before gefen_cpu_isa existed lacks; native_cpu's loader asks for it
-ISA_STUB = '\nextern "C" int gefen_cpu_isa() { return -1; }\n'
-
 
 def build(source: str, tmp: Path, name: str):
     path = tmp / f"{name}.cpp"
-    path.write_text(source if "gefen_cpu_isa" in source else source + ISA_STUB)
+    path.write_text(source)
     native_cpu.SOURCE = path
     return native_cpu._build()
 
@@ -99,10 +97,11 @@ def main() -> None:
         text=True,
         check=True,
     ).stdout
-    if "f32_to_bf16_stochastic" not in base:
+    if "gefen_cpu_cross_table" not in base:
         sys.exit(
-            f"--base {a.base}: its kernel keeps B = 1 state in fp32 (before 094ad65); the state "
-            "here is bf16, which it would overrun. Compare with 094ad65 or later."
+            f"--base {a.base}: its kernel lacks gefen_cpu_cross_table, which the optimizer here "
+            "calls (since the commit after bdfe59e). Compare the whole step with "
+            "benchmarks/step_ab.py instead."
         )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,22 +113,29 @@ def main() -> None:
             for bits in map(int, a.bits.split(",")):
                 if not identical(libs, which, bits):
                     sys.exit(f"{which}, {bits} bits: the two kernels' results differ")
-                base_ms, here_ms = timed(libs, which, bits, a.rounds)
-                b, h = statistics.median(base_ms), statistics.median(here_ms)
-                rows.append(
-                    dict(
-                        set=which,
-                        bits=bits,
-                        base_ms=b,
-                        here_ms=h,
-                        ratio=h / b,
-                        base_rounds=base_ms,
-                        here_rounds=here_ms,
-                        identical=True,
-                    )
-                )
-                print(json.dumps(rows[-1]), flush=True)
-    print(f"| set | bits | {a.base} | this tree | ratio | rounds' ranges |")
+                rows.append(result_row(which, bits, *timed(libs, which, bits, a.rounds)))
+    report(rows, a, base=a.base, isa=native_cpu.isa())
+
+
+def result_row(which: str, bits: int, base_ms: list[float], here_ms: list[float]) -> dict:
+    b, h = statistics.median(base_ms), statistics.median(here_ms)
+    row = dict(
+        set=which,
+        bits=bits,
+        base_ms=b,
+        here_ms=h,
+        ratio=h / b,
+        base_rounds=base_ms,
+        here_rounds=here_ms,
+        identical=True,
+    )
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def report(rows: list[dict], a: argparse.Namespace, base: str, **meta) -> None:
+    """The table of medians, and the JSON (``--json``) with how and where it was measured."""
+    print(f"| set | bits | {base} | this tree | ratio | rounds' ranges |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(
@@ -139,12 +145,12 @@ def main() -> None:
         )
     if a.json:
         meta = dict(
-            base=a.base,
+            base=base,
             revision=_revision(),
             threads=a.threads,
             rounds=a.rounds,
             cpu=_cpu_model(),
-            isa=native_cpu.isa(),
+            **meta,
             torch=torch.__version__,
             command=" ".join(sys.argv),
         )

@@ -942,4 +942,54 @@ void gefen_cpu_cross_factor(const double* sums, const double* counts, int64_t n,
   for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(std::max(v[i] / mean, floor_c)) / bc2;
 }
 
+// The factor pass of every factored segment of a step in one call: ``meta`` (n_seg x
+// kCrossCols int64, the columns of CrossCol), ``hyp`` (n_seg x 4 fp32: beta2, 1 - beta2,
+// sqrt(1 - beta2^t), the factor's floor). Each row is gefen_cpu_cross_sums into its sums and
+// counts, then, where it has an ``out`` (a tensor held whole, not spread over ranks),
+// gefen_cpu_cross_factor into it. Segments go to threads whole, largest first, and one that
+// holds over a thread's share of the elements takes all the threads itself: either way a
+// segment's sums come from chunks fixed by its shape, so the bits do not depend on the
+// schedule. One call instead of two per tensor saves the Python and the parallel-region start
+// each would cost. Returns 0, or -(row + 1) for a row it refuses (nothing is written then).
+enum CrossCol { kCG, kCGDtype, kCStart, kCNumel, kCBlock, kCLength, kCV, kCSums, kCCounts,
+                kCVCross, kCOut, kCrossCols };
+
+int gefen_cpu_cross_table(const int64_t* meta, const float* hyp, int n_seg, int threads) {
+  std::vector<int> order(n_seg);
+  int64_t total = 0;
+  for (int s = 0; s < n_seg; ++s) {
+    const int64_t* m = meta + static_cast<int64_t>(s) * kCrossCols;
+    const int64_t dt = m[kCGDtype];
+    if ((dt != F32 && dt != BF16 && dt != F16) || m[kCBlock] == 0 || m[kCBlock] == 1 ||
+        m[kCNumel] < 0 || (m[kCV] && m[kCBlock] < 0))
+      return -(s + 1);
+    order[s] = s;
+    total += m[kCNumel];
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return meta[static_cast<int64_t>(a) * kCrossCols + kCNumel] >
+           meta[static_cast<int64_t>(b) * kCrossCols + kCNumel];
+  });
+  const int team = std::max(threads, 1);
+  auto run = [&](int s, int inner) {
+    const int64_t* m = meta + static_cast<int64_t>(s) * kCrossCols;
+    const float* h = hyp + static_cast<int64_t>(s) * 4;
+    auto* sums = reinterpret_cast<double*>(m[kCSums]);
+    auto* counts = reinterpret_cast<double*>(m[kCCounts]);
+    gefen_cpu_cross_sums(reinterpret_cast<const void*>(m[kCG]), static_cast<int>(m[kCGDtype]),
+                         m[kCStart], m[kCNumel], m[kCBlock], sums, counts, inner,
+                         reinterpret_cast<float*>(m[kCV]), h[0], h[1]);
+    if (m[kCOut])
+      gefen_cpu_cross_factor(sums, counts, m[kCLength], reinterpret_cast<float*>(m[kCVCross]),
+                             h[0], h[1], h[2], h[3], reinterpret_cast<float*>(m[kCOut]));
+  };
+  int big = 0;  // the largest first: those over a thread's share run one at a time, all threads
+  while (big < n_seg && team > 1 &&
+         meta[static_cast<int64_t>(order[big]) * kCrossCols + kCNumel] * team > total)
+    run(order[big++], team);
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1) if (team > 1 && n_seg - big > 1)
+  for (int i = big; i < n_seg; ++i) run(order[i], 1);
+  return 0;
+}
+
 }  // extern "C"

@@ -412,25 +412,38 @@ class Gefen(Optimizer):
         buf = None
         if total:
             buf = torch.zeros(2 * total, dtype=torch.float64, device=self._comm_device())
-        spread = []
-        for i, (impl, _, g, seg, h, _, _, _, name) in enumerate(items):
+        factored = []
+        for i, (_, _, _, seg, _, _, _, _, name) in enumerate(items):
             if seg.v_cross is None or seg.v_cross.numel() == 0:
                 continue
             if name is not None and (buf is None or name not in slots):
                 raise RuntimeError(f"tensor {name!r} is spread over ranks but has no cross slot")
+            factored.append(i)
+        on_cpu = [i for i in factored if items[i][0] == "cpu"]
+        cpu_out = (  # one C++ call for all: sums, v folded, whole tensors' factors
+            native_cpu.cross_table(
+                [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on_cpu]
+            )
+            if on_cpu
+            else []
+        )
+        cpu_sums = dict(zip(on_cpu, cpu_out, strict=True))
+        spread = []
+        for i in factored:
+            impl, _, g, seg, h, _, _, _, name = items[i]
             length = seg.v_cross.numel()
             if impl == "cpu":
-                fold = seg.block_size > 1
-                sums, counts = native_cpu.cross_sums(
-                    g, seg.start, seg.block_size, length, seg.v if fold else None, h
-                )
-                if fold:
+                sums, counts, f = cpu_sums[i]
+                if seg.block_size > 1:
                     v_done.add(i)
+                if name is None:
+                    out[i] = f
+                    continue
             else:
                 sums, counts = cross_sums(g, seg.start, seg.block_size, length)
-            if name is None:
-                out[i] = _factor(impl, seg, h, sums, counts)
-                continue
+                if name is None:
+                    out[i] = _factor(impl, seg, h, sums, counts)
+                    continue
             at, n = slots[name]
             buf[at : at + n] += sums.to(buf.device)
             buf[total + at : total + at + n] += counts.to(buf.device)

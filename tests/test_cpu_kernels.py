@@ -359,3 +359,70 @@ def test_native_step_names_the_segment_it_refuses_and_writes_nothing():
     with pytest.raises(RuntimeError, match=r"refused a segment .*, 0, 64, 16, 6, \d+, \d+, "):
         native_cpu.step(work)
     assert not ps[0].any() and not ps[1].any()
+
+
+def _cross_segment(numel, start, block, dtype, seed, fold):
+    from gefen_dist import reference
+
+    g = (torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+    length = block if block > 0 else -(-(start + numel) // -block)
+    blocks = -(-(start % block + numel) // block) if block > 0 else 0
+    st = reference.SegmentState(
+        start,
+        numel,
+        block,
+        v=torch.rand(blocks, generator=torch.Generator().manual_seed(seed + 1)) if fold else None,
+        v_cross=torch.rand(length, generator=torch.Generator().manual_seed(seed + 2)),
+    )
+    return g, st
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_cross_table_equals_the_per_segment_calls(threads):
+    """The one call for every factored segment gives, bit for bit, the per-segment calls' sums,
+    counts, folded block v, folded v_cross and (for tensors held whole) factor: whether a
+    segment runs on one thread among others or, holding most of the elements, on all."""
+    from gefen_dist import native_cpu, reference
+
+    h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=4)
+    specs = [  # numel, start, block, dtype, whole; the first holds over half the elements
+        (96 * 300, 0, 96, torch.float32, True),
+        (4001, 37, 96, torch.bfloat16, True),
+        (96 * 40, 0, -96, torch.float32, True),
+        (2000, 50, 64, torch.float16, False),
+        (777, 5, -97, torch.bfloat16, False),
+    ]
+    segs = [_cross_segment(n, s, b, dt, 10 * i, b > 0) for i, (n, s, b, dt, _) in enumerate(specs)]
+    torch.set_num_threads(threads)
+    try:
+        mine = []
+        for (g, st), spec in zip(segs, specs, strict=True):
+            v = None if st.v is None else st.v.clone()
+            copy = reference.SegmentState(st.start, st.numel, st.block_size, v=v)
+            copy.v_cross = st.v_cross.clone()
+            mine.append((g, copy, h, spec[4]))
+        got = native_cpu.cross_table(mine)
+        for (g, st), (_, mst, _, whole), (sums, counts, f) in zip(segs, mine, got, strict=True):
+            want = native_cpu.cross_sums(g, st.start, st.block_size, st.v_cross.numel(), st.v, h)
+            assert torch.equal(sums, want[0]) and torch.equal(counts, want[1])
+            if st.v is not None:
+                assert torch.equal(mst.v, st.v)
+            if whole:
+                assert torch.equal(f, native_cpu.cross_factor(st, h, *want))
+                assert torch.equal(mst.v_cross, st.v_cross)
+            else:
+                assert f is None and torch.equal(mst.v_cross, st.v_cross)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_native_cross_table_refuses_a_b1_segment_and_writes_nothing():
+    from gefen_dist import native_cpu, reference
+
+    h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=2)
+    g, st = _cross_segment(960, 0, 96, torch.float32, 0, True)
+    v0 = st.v.clone()
+    bad = reference.SegmentState(0, 64, 1, v_cross=torch.zeros(4))
+    with pytest.raises(RuntimeError, match="refused a segment: torch.float32 gradient, block 1"):
+        native_cpu.cross_table([(g, st, h, True), (torch.zeros(64), bad, h, True)])
+    assert torch.equal(st.v, v0)

@@ -1,0 +1,131 @@
+"""Two versions of the whole CPU step (Python and kernel) side by side in one process.
+
+``kernel_ab.py`` swaps only the C++ library under one optimizer; a change to the Python around
+it (the segment table, the factor's pass) needs the whole package of each version. This loads
+``gefen_dist/`` and ``csrc/`` at ``--base`` (a git revision) as a second package,
+``gefen_dist_base``, next to the working tree's, and gives each optimizer its own copy of the
+same parameters. First, 20 steps from the same start must leave parameters and state
+bit-identical (gradients rescaled per step), else the script stops; then timed rounds
+alternate between the two, as separate processes here disagree by more than such changes gain.
+
+    python benchmarks/step_ab.py --base REV [--sets gpt,100m] [--bits 4,8]
+        [--threads 1] [--rounds 7] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from kernel_ab import report, result_row  # noqa: E402
+from step_speed import make_params  # noqa: E402
+
+import gefen_dist  # noqa: E402
+
+
+def load_base(rev: str, tmp: Path):
+    """``gefen_dist`` at ``rev`` as the package ``gefen_dist_base`` (its imports are relative),
+    with its own ``csrc/`` beside it, so it builds and loads its own kernel library."""
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "gefen_dist", "csrc"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(tmp, filter="data")
+    pkg = tmp / "gefen_dist_base"
+    (tmp / "gefen_dist").rename(pkg)
+    spec = importlib.util.spec_from_file_location(
+        "gefen_dist_base", pkg / "__init__.py", submodule_search_locations=[str(pkg)]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gefen_dist_base"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def pair(pkgs, which: str, bits: int):
+    """Each package's optimizer over its own copy of the same parameters and gradients."""
+    out = []
+    for pkg in pkgs:
+        params = make_params(which)
+        opt = pkg.Gefen(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, bits=bits)
+        out.append((params, opt))
+    return out
+
+
+def identical(pkgs, which: str, bits: int) -> bool:
+    runs = pair(pkgs, which, bits)
+    for t in range(20):
+        for params, opt in runs:
+            scale = torch.Generator().manual_seed(t)
+            for p in params:
+                p.grad = p.grad * (0.5 + torch.rand(p.shape, generator=scale))
+            opt.step()
+    (pa, oa), (pb, ob) = runs
+    return all(
+        torch.equal(a, b)
+        and oa.state[a].keys() == ob.state[b].keys()
+        and all(torch.equal(oa.state[a][k], ob.state[b][k]) for k in oa.state[a])
+        for a, b in zip(pa, pb, strict=True)
+    )
+
+
+def timed(pkgs, which: str, bits: int, rounds: int) -> list[list[float]]:
+    runs = pair(pkgs, which, bits)
+    for _, opt in runs:
+        for _ in range(2):
+            opt.step()
+    steps = 20 if which == "gpt" else 2
+    out: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for i, (_, opt) in enumerate(runs):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                opt.step()
+            out[i].append(1e3 * (time.perf_counter() - t0) / steps)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", required=True, help="git revision of the package to compare with")
+    ap.add_argument("--sets", default="gpt,100m")
+    ap.add_argument("--bits", default="4,8")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    base_rev = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", a.base],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        pkgs = [load_base(a.base, Path(tmp)), gefen_dist]
+        for which in a.sets.split(","):
+            for bits in map(int, a.bits.split(",")):
+                if not identical(pkgs, which, bits):
+                    sys.exit(f"{which}, {bits} bits: the two versions' results differ")
+                rows.append(result_row(which, bits, *timed(pkgs, which, bits, a.rounds)))
+    report(rows, a, base=base_rev)
+
+
+if __name__ == "__main__":
+    main()
