@@ -213,23 +213,23 @@ def cross_sums(
 
 def cross_table(
     work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]],
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
     """``cross_sums`` (folding into v where the blocks are contiguous) of every (g, segment, h,
     whole) in one call, then ``cross_factor`` of each ``whole`` one (a tensor held whole: its
     own sums are its tensor's): one call per step instead of two per factored tensor, each of
     which cost more in Python and in starting threads than the demo GPT's pass itself. Returns
-    per item its (sums, counts, factor or None); the same bits as the per-segment calls."""
+    per item (None, None, factor) if whole, else (sums, counts, None), for the all-reduce; the
+    same bits as the per-segment calls."""
     lengths = [st.v_cross.numel() for _, st, _, _ in work]
     total = sum(lengths)
     sc = torch.zeros(2 * total, dtype=torch.float64)
     out = torch.empty(sum(n for n, w in zip(lengths, work, strict=True) if w[3]))
+    sc_at, out_at = sc.data_ptr(), out.data_ptr()  # addresses: a slice costs a microsecond
     rows: list[int] = []
     hyps: list[float] = []
     res = []
     at = fat = 0
     for (g, st, h, whole), n in zip(work, lengths, strict=True):
-        sums, counts = sc[at : at + n], sc[total + at : total + at + n]
-        f = out[fat : fat + n] if whole else None
         rows += [
             g.data_ptr(),
             table.DTYPES[g.dtype],
@@ -238,15 +238,18 @@ def cross_table(
             st.block_size,
             n,
             st.v.data_ptr() if st.block_size > 1 else 0,
-            sums.data_ptr(),
-            counts.data_ptr(),
+            sc_at + 8 * at,
+            sc_at + 8 * (total + at),
             st.v_cross.data_ptr(),
-            0 if f is None else f.data_ptr(),
+            out_at + 4 * fat if whole else 0,
         ]
         hyps += [h.beta2, 1.0 - h.beta2, h.bc2_sqrt, CROSS_FLOOR]
-        res.append((sums, counts, f))
+        if whole:
+            res.append((None, None, out[fat : fat + n]))
+            fat += n
+        else:
+            res.append((sc[at : at + n], sc[total + at : total + at + n], None))
         at += n
-        fat += n if whole else 0
     if not rows:
         return res
     meta = torch.frombuffer(array("q", rows), dtype=torch.int64)

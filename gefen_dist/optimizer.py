@@ -299,15 +299,19 @@ class Gefen(Optimizer):
                     )
                 levels, mids, views, keys = self._prepared(p, st)
                 bits = state.bits_of(levels)
-                flat_p = _flat(sharding.local(p), p, self)
-                flat_g = _flat(sharding.local(p.grad), p, self)
+                lp = _contiguous(sharding.local(p), p, self)
+                lg = _contiguous(sharding.local(p.grad), p, self)
                 if group["maximize"]:
-                    flat_g = -flat_g
-                key = (flat_p.device, flat_p.dtype, flat_g.dtype)
+                    lg = -lg
+                key = (lp.device, lp.dtype, lg.dtype)
                 impl = impls.get(key)
                 if impl is None:
-                    impl = impls[key] = self._impl(flat_p, flat_g)
-                whole = len(views) == 1 and views[0][1].numel == flat_p.numel()
+                    impl = impls[key] = self._impl(lp, lg)
+                whole = len(views) == 1 and views[0][1].numel == lp.numel()
+                if whole and impl == "cpu":  # the C++ kernel takes contiguous memory as it is
+                    items.append((impl, lp, lg, views[0][1], h, levels, mids, bits, keys[0]))
+                    continue
+                flat_p, flat_g = lp.view(-1), lg.view(-1)
                 for (offset, seg), name in zip(views, keys, strict=True):
                     if whole:
                         ps, gs = flat_p, flat_g
@@ -742,10 +746,14 @@ def _factor(impl: str, seg, h: Hyper, sums: torch.Tensor, counts: torch.Tensor) 
     return cross_factor(seg, h, cross_mean(sums, counts))
 
 
-def _flat(t: torch.Tensor, p: torch.Tensor, opt: Gefen) -> torch.Tensor:
+def _contiguous(t: torch.Tensor, p: torch.Tensor, opt: Gefen) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"Gefen needs contiguous parameters and gradients; {opt._name(p)} is not")
-    return t.view(-1)
+    return t
+
+
+def _flat(t: torch.Tensor, p: torch.Tensor, opt: Gefen) -> torch.Tensor:
+    return _contiguous(t, p, opt).view(-1)
 
 
 def _histogram(

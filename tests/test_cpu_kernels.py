@@ -379,9 +379,10 @@ def _cross_segment(numel, start, block, dtype, seed, fold):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_cross_table_equals_the_per_segment_calls(threads):
-    """The one call for every factored segment gives, bit for bit, the per-segment calls' sums,
-    counts, folded block v, folded v_cross and (for tensors held whole) factor: whether a
-    segment runs on one thread among others or, holding most of the elements, on all."""
+    """The one call for every factored segment gives, bit for bit, the per-segment calls' folded
+    block v, and for tensors held whole the folded v_cross and factor, for the others the sums
+    and counts: whether a segment runs on one thread among others or, holding most of the
+    elements, on all."""
     from gefen_dist import native_cpu, reference
 
     h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=4)
@@ -404,14 +405,14 @@ def test_native_cross_table_equals_the_per_segment_calls(threads):
         got = native_cpu.cross_table(mine)
         for (g, st), (_, mst, _, whole), (sums, counts, f) in zip(segs, mine, got, strict=True):
             want = native_cpu.cross_sums(g, st.start, st.block_size, st.v_cross.numel(), st.v, h)
-            assert torch.equal(sums, want[0]) and torch.equal(counts, want[1])
             if st.v is not None:
                 assert torch.equal(mst.v, st.v)
-            if whole:
+            if whole:  # its sums only feed its factor
+                assert sums is None and counts is None
                 assert torch.equal(f, native_cpu.cross_factor(st, h, *want))
-                assert torch.equal(mst.v_cross, st.v_cross)
-            else:
-                assert f is None and torch.equal(mst.v_cross, st.v_cross)
+            else:  # its sums go to the all-reduce, and its factor waits for it
+                assert torch.equal(sums, want[0]) and torch.equal(counts, want[1]) and f is None
+            assert torch.equal(mst.v_cross, st.v_cross)
     finally:
         torch.set_num_threads(1)
 
