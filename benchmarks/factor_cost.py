@@ -50,16 +50,15 @@ def _unfolded(params: list[torch.nn.Parameter], bits: int):
     from gefen_dist import Gefen, native_cpu
 
     opt = Gefen(params, bits=bits, **HYPER)
-    real_sums, real_factors = native_cpu.cross_sums, opt._cross_factors
+    real_table, real_factors = native_cpu.cross_table, opt._cross_factors
 
     def cross_factors(items):
-        native_cpu.cross_sums = lambda g, start, block, n, v=None, h=None: real_sums(
-            g, start, block, n
-        )
+        native_cpu.cross_table = lambda work: real_table(work, fold=False)
         try:
-            return real_factors(items)[0], set()
+            out, _, cross, on_cpu = real_factors(items)
+            return out, set(), cross, on_cpu
         finally:
-            native_cpu.cross_sums = real_sums
+            native_cpu.cross_table = real_table
 
     opt._cross_factors = cross_factors
     return opt

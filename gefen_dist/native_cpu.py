@@ -126,53 +126,62 @@ def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype in table.DTYPES and g.dtype in table.DTYPES
 
 
-def step(work: list[tuple]) -> None:
+class StepTable:
+    """The segment table of ``step`` as flat arrays the C++ call reads by address (not a list of
+    lists: torch.tensor walks one element by element). ``plan.CpuPlan`` keeps one from step to
+    step and rewrites only the addresses, step keys and hyperparameters in it."""
+
+    def __init__(self, work: list[tuple]) -> None:
+        self.meta, self.hyp = array("q"), array("f")
+        self.luts, self.done = array("q"), array("B")
+        self.keep = []  # factors and code tables: alive while the table is
+        self.index: list[int] = []  # the item of ``work`` behind each row
+        hrows: dict[int, list[float]] = {}  # the optimizer passes one Hyper per group and step
+        cells = load().gefen_cpu_lut_cells() if work else 0
+        for i, (p, g, st, h, levels, mids, bits, *given) in enumerate(work):
+            if st.numel == 0:
+                continue
+            f = given[0] if given else local_factor(g, st, h)
+            self.done.append(1 if len(given) > 1 and given[1] else 0)
+            self.keep.append(f)
+            self.meta.extend(table.row(p, g, st, levels, mids, bits, h.step, f))
+            hrow = hrows.get(id(h))
+            if hrow is None:
+                hrow = hrows[id(h)] = table.hyper_row(h)
+            self.hyp.extend(hrow)
+            self.index.append(i)
+            lut = code_table(mids, cells) if st.block_size != 1 and bits == 8 else None
+            self.keep.append(lut)
+            self.luts.append(0 if lut is None else lut.data_ptr())
+
+    def __len__(self) -> int:
+        return len(self.luts)
+
+    def run(self) -> None:
+        if not len(self):
+            return
+        rc = load().gefen_cpu_step(
+            self.meta.buffer_info()[0],
+            self.hyp.buffer_info()[0],
+            self.luts.buffer_info()[0],
+            self.done.buffer_info()[0],
+            len(self),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            bad = self.meta[(-rc - 1) * table.META_COLS : -rc * table.META_COLS].tolist()
+            raise RuntimeError(f"gefen_cpu_step refused a segment (dtypes, bits or block): {bad}")
+
+
+def step(work: list[tuple]) -> StepTable:
     """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor[, v_done]]) in one
-    call: blocks and dense tiles of all segments share the threads. Flat contiguous CPU views.
+    call: blocks and dense tiles of all segments share the threads. Contiguous CPU tensors.
     ``factor``: the segment's ``reference.cross_factor`` this step; without it, its
     ``local_factor``. ``v_done``: ``cross_sums`` has folded this step's g^2 into the segment's v
-    (contiguous blocks), so the kernel does not."""
-    if not work:
-        return
-    lib = load()
-    rows: list[int] = []
-    hyps: list[float] = []
-    luts: list[int] = []
-    done: list[int] = []
-    factors = []
-    hrows: dict[int, list[float]] = {}  # the optimizer passes one Hyper per group and step
-    cells = lib.gefen_cpu_lut_cells()
-    for p, g, st, h, levels, mids, bits, *given in work:
-        if st.numel == 0:
-            continue
-        f = given[0] if given else local_factor(g, st, h)
-        done.append(1 if len(given) > 1 and given[1] else 0)
-        factors.append(f)  # alive until the call returns
-        rows += table.row(p, g, st, levels, mids, bits, h.step, f)
-        hrow = hrows.get(id(h))
-        if hrow is None:
-            hrow = hrows[id(h)] = table.hyper_row(h)
-        hyps += hrow
-        blocked8 = st.block_size != 1 and bits == 8
-        luts.append(code_table(mids, cells).data_ptr() if blocked8 else 0)
-    if not rows:
-        return
-    # flat arrays, not nested lists: torch.tensor walks a list of lists element by element
-    meta = torch.frombuffer(array("q", rows), dtype=torch.int64)
-    hyp = torch.frombuffer(array("f", hyps), dtype=torch.float32)
-    lut = torch.frombuffer(array("q", luts), dtype=torch.int64)
-    v_done = torch.frombuffer(array("B", done), dtype=torch.uint8)
-    rc = lib.gefen_cpu_step(
-        meta.data_ptr(),
-        hyp.data_ptr(),
-        lut.data_ptr(),
-        v_done.data_ptr(),
-        len(luts),
-        torch.get_num_threads(),
-    )
-    if rc != 0:
-        bad = rows[(-rc - 1) * table.META_COLS : -rc * table.META_COLS]
-        raise RuntimeError(f"gefen_cpu_step refused a segment (dtypes, bits or block): {bad}")
+    (contiguous blocks), so the kernel does not. Returns the table it ran."""
+    t = StepTable(work)
+    t.run()
+    return t
 
 
 def cross_sums(
@@ -211,58 +220,87 @@ def cross_sums(
     return sums, counts
 
 
+class CrossTable:
+    """The factor pass's table (rows of ``gefen_cpu_cross_table``) over (g, segment, h, whole)
+    items, as flat arrays, with the buffers its sums, counts and factors land in: like
+    ``StepTable``, kept by ``plan.CpuPlan`` and rewritten in place from step to step."""
+
+    COLS = 11
+
+    def __init__(
+        self, work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]], fold: bool = True
+    ) -> None:
+        lengths = [st.v_cross.numel() for _, st, _, _ in work]
+        total = sum(lengths)
+        self.sums = torch.zeros(2 * total, dtype=torch.float64)  # sums, then counts
+        out = torch.empty(sum(n for n, w in zip(lengths, work, strict=True) if w[3]))
+        sc_at, out_at = self.sums.data_ptr(), out.data_ptr()  # a slice costs a microsecond
+        self.meta, self.hyp = array("q"), array("f")
+        self.results: list[tuple[torch.Tensor | None, ...]] = []
+        self.what = [(g.dtype, st.block_size) for g, st, _, _ in work]  # not g: kept for later
+        at = fat = 0
+        for (g, st, h, whole), n in zip(work, lengths, strict=True):
+            self.meta.extend(
+                [
+                    g.data_ptr(),
+                    table.DTYPES[g.dtype],
+                    st.start,
+                    g.numel(),
+                    st.block_size,
+                    n,
+                    st.v.data_ptr() if fold and st.block_size > 1 else 0,
+                    sc_at + 8 * at,
+                    sc_at + 8 * (total + at),
+                    st.v_cross.data_ptr(),
+                    out_at + 4 * fat if whole else 0,
+                ]
+            )
+            self.hyp.extend(cross_hyper_row(h))
+            if whole:
+                self.results.append((None, None, out[fat : fat + n]))
+                fat += n
+            else:
+                sums = self.sums[at : at + n], self.sums[total + at : total + at + n]
+                self.results.append((*sums, None))
+            at += n
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def run(self) -> None:
+        if not len(self):
+            return
+        rc = load().gefen_cpu_cross_table(
+            self.meta.buffer_info()[0],
+            self.hyp.buffer_info()[0],
+            len(self),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            dtype, block = self.what[-rc - 1]
+            raise RuntimeError(
+                f"gefen_cpu_cross_table refused a segment: {dtype} gradient, block {block}"
+            )
+
+
+def cross_hyper_row(h: Hyper) -> list[float]:
+    """beta2, 1 - beta2, sqrt(1 - beta2^t), the factor's floor: a row of the factor pass."""
+    return [h.beta2, 1.0 - h.beta2, h.bc2_sqrt, CROSS_FLOOR]
+
+
 def cross_table(
-    work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]],
-) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
+    work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]], fold: bool = True
+) -> CrossTable:
     """``cross_sums`` (folding into v where the blocks are contiguous) of every (g, segment, h,
     whole) in one call, then ``cross_factor`` of each ``whole`` one (a tensor held whole: its
     own sums are its tensor's): one call per step instead of two per factored tensor, each of
-    which cost more in Python and in starting threads than the demo GPT's pass itself. Returns
-    per item (None, None, factor) if whole, else (sums, counts, None), for the all-reduce; the
-    same bits as the per-segment calls."""
-    lengths = [st.v_cross.numel() for _, st, _, _ in work]
-    total = sum(lengths)
-    sc = torch.zeros(2 * total, dtype=torch.float64)
-    out = torch.empty(sum(n for n, w in zip(lengths, work, strict=True) if w[3]))
-    sc_at, out_at = sc.data_ptr(), out.data_ptr()  # addresses: a slice costs a microsecond
-    rows: list[int] = []
-    hyps: list[float] = []
-    res = []
-    at = fat = 0
-    for (g, st, h, whole), n in zip(work, lengths, strict=True):
-        rows += [
-            g.data_ptr(),
-            table.DTYPES[g.dtype],
-            st.start,
-            g.numel(),
-            st.block_size,
-            n,
-            st.v.data_ptr() if st.block_size > 1 else 0,
-            sc_at + 8 * at,
-            sc_at + 8 * (total + at),
-            st.v_cross.data_ptr(),
-            out_at + 4 * fat if whole else 0,
-        ]
-        hyps += [h.beta2, 1.0 - h.beta2, h.bc2_sqrt, CROSS_FLOOR]
-        if whole:
-            res.append((None, None, out[fat : fat + n]))
-            fat += n
-        else:
-            res.append((sc[at : at + n], sc[total + at : total + at + n], None))
-        at += n
-    if not rows:
-        return res
-    meta = torch.frombuffer(array("q", rows), dtype=torch.int64)
-    hyp = torch.frombuffer(array("f", hyps), dtype=torch.float32)
-    rc = load().gefen_cpu_cross_table(
-        meta.data_ptr(), hyp.data_ptr(), len(work), torch.get_num_threads()
-    )
-    if rc != 0:
-        g, st = work[-rc - 1][:2]
-        raise RuntimeError(
-            f"gefen_cpu_cross_table refused a segment: {g.dtype} gradient, block {st.block_size}"
-        )
-    return res
+    which cost more in Python and in starting threads than the demo GPT's pass itself. The
+    table's ``results`` hold per item (None, None, factor) if whole, else (sums, counts, None),
+    for the all-reduce; the same bits as the per-segment calls. ``fold=False`` leaves the block
+    v to the update's own first pass (``benchmarks/factor_cost.py`` times the difference)."""
+    t = CrossTable(work, fold)
+    t.run()
+    return t
 
 
 def cross_factor(

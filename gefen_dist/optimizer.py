@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from . import codebook as cb
 from . import native_cpu, native_cuda, partition, sharding, state
 from .codes import midpoints
+from .cpu_plan import CpuPlan
 from .reference import (
     CHUNK,
     Hyper,
@@ -98,6 +99,7 @@ class Gefen(Optimizer):
         self._codebook_copies: dict[tuple[int, str], torch.Tensor] = {}
         self._pending_install: list[tuple[torch.Tensor, dict]] = []
         self._cross_slots: dict[str, tuple[int, int]] | None = None
+        self._plan: CpuPlan | None = None  # the last step's C++ tables, for the next
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(Gefen._stash_state)
         self.register_load_state_dict_post_hook(Gefen._install_state)
@@ -115,6 +117,7 @@ class Gefen(Optimizer):
         _check_hyper({**self.defaults, **param_group})
         super().add_param_group(param_group)
         self._initialized = False
+        self._plan = None
         try:
             for p in self.param_groups[-1]["params"]:
                 if p.is_complex():
@@ -277,9 +280,12 @@ class Gefen(Optimizer):
         ]
         if steps:
             torch._foreach_add_(steps, 1)  # one call, not one per tensor
+        if self._plan is not None and self._plan.run(self):
+            return loss
         impls: dict[tuple, str] = {}
         items: list[tuple] = []  # (impl, p, g, segment state, hyper, levels, mids, bits, key)
-        for group in self.param_groups:
+        origins: list[tuple] = []  # (group index, parameter, element offset) per item
+        for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             hypers: dict[int, Hyper] = {}  # by step: one object, and one table row, per value
             for p in group["params"]:
@@ -310,6 +316,7 @@ class Gefen(Optimizer):
                 whole = len(views) == 1 and views[0][1].numel == lp.numel()
                 if whole and impl == "cpu":  # the C++ kernel takes contiguous memory as it is
                     items.append((impl, lp, lg, views[0][1], h, levels, mids, bits, keys[0]))
+                    origins.append((gi, p, 0))
                     continue
                 flat_p, flat_g = lp.view(-1), lg.view(-1)
                 for (offset, seg), name in zip(views, keys, strict=True):
@@ -319,7 +326,9 @@ class Gefen(Optimizer):
                         ps = flat_p[offset : offset + seg.numel]
                         gs = flat_g[offset : offset + seg.numel]
                     items.append((impl, ps, gs, seg, h, levels, mids, bits, name))
-        factors, v_done = self._cross_factors(items)
+                    origins.append((gi, p, offset))
+        factors, v_done, cross, on_cpu = self._cross_factors(items)
+        cpu_items: list[int] = []
         for i, ((impl, ps, gs, seg, h, levels, mids, bits, _), f) in enumerate(
             zip(items, factors, strict=True)
         ):
@@ -327,6 +336,7 @@ class Gefen(Optimizer):
                 cuda_work.append((ps, gs, seg, h, levels, mids, bits, f))
             elif impl == "cpu":
                 cpu_work.append((ps, gs, seg, h, levels, mids, bits, f, i in v_done))
+                cpu_items.append(i)
             elif seg.block_size == 1:
                 dense_update(ps, gs, seg, h)
             elif seg.block_size < 0:
@@ -336,9 +346,12 @@ class Gefen(Optimizer):
                 cpu_kernel.block_update(ps, gs, seg, h, levels, mids, bits, f)
             else:
                 block_update(ps, gs, seg, h, levels, mids, bits, f)
-        native_cpu.step(cpu_work)
+        done = native_cpu.step(cpu_work)
         for device in {w[0].device for w in cuda_work}:
             native_cuda.step([w for w in cuda_work if w[0].device == device])
+        self._plan = None
+        if CpuPlan.eligible(self, items):
+            self._plan = CpuPlan(self, origins, done, cross, on_cpu, cpu_items)
         return loss
 
     @property
@@ -402,13 +415,14 @@ class Gefen(Optimizer):
             self._views[p] = hit
         return hit[1:]
 
-    def _cross_factors(self, items: list[tuple]) -> tuple[list[torch.Tensor | None], set[int]]:
+    def _cross_factors(self, items: list[tuple]) -> tuple:
         """This step's ``reference.cross_factor`` per segment (None where it has none): from the
         segment's own g where it holds its whole tensor; from the sums over every rank's piece
         where the tensor is spread, all such tensors in one all-reduce, so each rank takes the
         single-process step. Every rank reduces the whole table, zeros for tensors it does not
         step in this call: ZeRO steps one group at a time, all ranks the same group. Also the
-        items whose block v the C++ pass over g has already stepped (contiguous blocks)."""
+        items whose block v the C++ pass over g has already stepped (contiguous blocks), that
+        pass's table and the items behind its rows (for ``CpuPlan``)."""
         out: list[torch.Tensor | None] = [None] * len(items)
         v_done: set[int] = set()
         slots = self._cross_table()
@@ -424,14 +438,11 @@ class Gefen(Optimizer):
                 raise RuntimeError(f"tensor {name!r} is spread over ranks but has no cross slot")
             factored.append(i)
         on_cpu = [i for i in factored if items[i][0] == "cpu"]
-        cpu_out = (  # one C++ call for all: sums, v folded, whole tensors' factors
-            native_cpu.cross_table(
-                [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on_cpu]
-            )
-            if on_cpu
-            else []
+        # one C++ call for all: sums, v folded, whole tensors' factors
+        cross = native_cpu.cross_table(
+            [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on_cpu]
         )
-        cpu_sums = dict(zip(on_cpu, cpu_out, strict=True))
+        cpu_sums = dict(zip(on_cpu, cross.results, strict=True))
         spread = []
         for i in factored:
             impl, _, g, seg, h, _, _, _, name = items[i]
@@ -461,7 +472,7 @@ class Gefen(Optimizer):
                     for x in (buf[at : at + n], buf[total + at : total + at + n])
                 )
                 out[i] = _factor(impl, seg, h, sums, counts)
-        return out, v_done
+        return out, v_done, cross, on_cpu
 
     def _cross_table(self) -> dict[str, tuple[int, int]]:
         """Where each tensor spread over ranks puts its v_cross sums in the per-step all-reduce:
@@ -597,6 +608,7 @@ class Gefen(Optimizer):
         opt._codebooks.clear()
         opt._initialized = False
         opt._cross_slots = None
+        opt._plan = None
         opt._codebook_copies.clear()
         for p, st in opt._pending_install:
             new = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in st.items()}

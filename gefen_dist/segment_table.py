@@ -19,6 +19,7 @@ from .reference import Hyper, SegmentState
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 META_COLS = 18
 HYP_COLS = 8
+P_COL, G_COL, KEY_COL = 0, 1, 16  # what changes between two steps of the same tensors
 
 
 def row(

@@ -1,0 +1,151 @@
+"""The C++ step's kept tables (``cpu_plan.CpuPlan``): a step on them is the step the long way
+would take, bit for bit, and anything that changes what the tables describe sends the step the
+long way."""
+
+import copy
+
+import pytest
+import torch
+
+from gefen_dist import Gefen, native_cpu
+from gefen_dist.cpu_plan import CpuPlan
+
+pytestmark = pytest.mark.skipif(not native_cpu.available(), reason="no C++ compiler")
+torch.set_num_threads(1)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 96),  # factored (96 rows of 64)
+        torch.nn.GELU(),
+        torch.nn.Linear(96, 80),
+        torch.nn.LayerNorm(80),  # B = 1
+        torch.nn.Linear(80, 10),
+    )
+
+
+def _grads(model, t, dtype=torch.float32):
+    """New gradient tensors each step, as zero_grad(set_to_none=True) and backward give."""
+    g = torch.Generator().manual_seed(t)
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape, generator=g) * (1 + t % 3)).to(dtype)
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """Whether each step ran on the kept tables."""
+    out = []
+    real = CpuPlan.run
+
+    def run(self, opt):
+        out.append(real(self, opt))
+        return out[-1]
+
+    monkeypatch.setattr(CpuPlan, "run", run)
+    return out
+
+
+def _assert_same(ma, oa, mb, ob):
+    for a, b in zip(ma.parameters(), mb.parameters(), strict=True):
+        assert torch.equal(a, b)
+        sa, sb = oa.state[a], ob.state[b]
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kept_tables_step_as_the_long_way(bits, ran):
+    """Ten steps with new gradient tensors, an lr schedule and betas changed midway: every step
+    after the first runs on the kept tables, and parameters and state equal those of an
+    optimizer made to take the long way each step."""
+    ma, mb = _model(), _model()
+    oa = Gefen(ma.parameters(), lr=1e-2, weight_decay=0.1, bits=bits)
+    ob = Gefen(mb.parameters(), lr=1e-2, weight_decay=0.1, bits=bits)
+    sched = [torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5) for o in (oa, ob)]
+    for t in range(10):
+        if t == 5:
+            for o in (oa, ob):
+                o.param_groups[0]["betas"] = (0.8, 0.99)
+        _grads(ma, t)
+        _grads(mb, t)
+        oa.step()
+        ob._plan = None  # the long way
+        ob.step()
+        for s in sched:
+            s.step()
+        _assert_same(ma, oa, mb, ob)
+    assert ran[:9] == [True] * 9 and ob._plan is not None
+    assert oa.memory_report()["backend"] == "native-cpu"
+
+
+def test_a_missing_gradient_or_a_moved_parameter_takes_the_long_way_then_plans_again(ran):
+    ma, mb = _model(), _model()
+    oa = Gefen(ma.parameters(), lr=1e-2)
+    ob = Gefen(mb.parameters(), lr=1e-2)
+    for t in range(6):
+        _grads(ma, t)
+        _grads(mb, t)
+        if t == 2:  # a parameter without its gradient this step
+            ma[0].bias.grad = mb[0].bias.grad = None
+        if t == 4:  # storage swapped: the same values elsewhere
+            for m in (ma, mb):
+                m[2].weight.data = m[2].weight.data.clone()
+        oa.step()
+        ob._plan = None
+        ob.step()
+        _assert_same(ma, oa, mb, ob)
+    # step 2 misses a gradient (long way), step 3 differs from step 2's tables (long way);
+    # the moved parameter at step 4 keeps the plan: only its address changed
+    assert ran == [True, False, False, True, True]
+
+
+def test_a_loaded_state_is_not_stepped_on_the_old_tables(ran):
+    """After load_state_dict the next step updates the loaded state, as a fresh optimizer that
+    loaded the same state does; the kept tables of the replaced state are not used."""
+    ma, mb = _model(), _model()
+    oa = Gefen(ma.parameters(), lr=1e-2)
+    for t in range(3):
+        _grads(ma, t)
+        oa.step()
+    saved = copy.deepcopy(oa.state_dict())
+    mb.load_state_dict(ma.state_dict())
+    for t in range(3, 5):  # move on, then go back to the saved state
+        _grads(ma, t)
+        oa.step()
+    ma.load_state_dict(mb.state_dict())
+    old = oa._plan
+    oa.load_state_dict(copy.deepcopy(saved))  # as torch's, a loaded state is not copied
+    assert old is not None and oa._plan is None
+    oa._plan = old  # as if nothing had dropped it: its own checks must refuse it
+    ob = Gefen(mb.parameters(), lr=1e-2)
+    ob.load_state_dict(copy.deepcopy(saved))
+    ran.clear()
+    for t in range(5, 8):
+        _grads(ma, t)
+        _grads(mb, t)
+        oa.step()
+        ob.step()
+        _assert_same(ma, oa, mb, ob)
+    assert ran == [False, True, True, True, True]
+
+
+def test_what_the_tables_cannot_describe_goes_the_long_way(ran):
+    """A gradient of another dtype, or a non-contiguous one, is the long way's to handle: it
+    updates from bf16 gradients and refuses the non-contiguous one by name, as without a plan."""
+    m = _model()
+    for p in m.parameters():
+        p.grad_dtype = None  # fp32 parameters may take bf16 gradients
+    o = Gefen(m.parameters(), lr=1e-2)
+    for t in range(2):
+        _grads(m, t)
+        o.step()
+    _grads(m, 2, torch.bfloat16)
+    o.step()
+    _grads(m, 3, torch.bfloat16)
+    w = m[0].weight
+    w.grad = torch.randn(w.shape[::-1]).t().to(torch.bfloat16)  # same shape, not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        o.step()
+    assert ran == [True, False, False]
