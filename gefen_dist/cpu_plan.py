@@ -7,10 +7,10 @@ tables changes but the gradients' addresses (``zero_grad(set_to_none=True)`` fre
 parameters' if something swapped their storage, the step counts and the hyperparameters. So after
 a step that ran entirely on the C++ kernel the optimizer keeps its tables; at the next it checks
 that the same parameters, in the same order and groups, have gradients, with the same state,
-dtypes and sizes, contiguous, then rewrites the addresses, step keys and hyperparameter rows in
-place and calls the kernel. Anything else (a parameter without its gradient, a reloaded or
-re-initialised state, another backend, a tensor spread over ranks, ``maximize``) takes the long
-way, which builds a new plan.
+dtypes and sizes, on the CPU and contiguous, then rewrites the addresses, step keys and
+hyperparameter rows in place and calls the kernel. Anything else (a parameter without its
+gradient, a reloaded or re-initialised state, another backend, a tensor spread over ranks,
+``maximize``) takes the long way, which builds a new plan.
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ class CpuPlan:
                     or (p.dtype, g.dtype) != self.dtypes[k]
                     or p.numel() != self.numels[k]
                     or g.numel() != self.numels[k]
+                    or not (p.is_cpu and g.is_cpu)
                     or not p.is_contiguous()
                     or not g.is_contiguous()
                 ):
