@@ -346,12 +346,12 @@ class Gefen(Optimizer):
                 cpu_kernel.block_update(ps, gs, seg, h, levels, mids, bits, f)
             else:
                 block_update(ps, gs, seg, h, levels, mids, bits, f)
-        done = native_cpu.step(cpu_work)
+        cpu_table = native_cpu.step(cpu_work)
         for device in {w[0].device for w in cuda_work}:
             native_cuda.step([w for w in cuda_work if w[0].device == device])
         self._plan = None
         if CpuPlan.eligible(self, items):
-            self._plan = CpuPlan(self, origins, done, cross, on_cpu, cpu_items)
+            self._plan = CpuPlan(self, origins, cpu_table, cross, on_cpu, cpu_items)
         return loss
 
     @property
