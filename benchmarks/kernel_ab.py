@@ -69,21 +69,34 @@ def timed(libs, which: str, bits: int, rounds: int) -> list[list[float]]:
     native_cpu._lib = libs[0]
     for _ in range(2):
         opt.step()
-    steps = 20 if which == "gpt" else 2
-    out: list[list[float]] = [[], []]
-    for _ in range(rounds):
-        for i, lib in enumerate(libs):
+
+    def on(lib):
+        def step():
             native_cpu._lib = lib
+            opt.step()
+
+        return step
+
+    return alternate([on(lib) for lib in libs], which, rounds)
+
+
+def alternate(steppers: list, which: str, rounds: int) -> list[list[float]]:
+    """Each stepper's step time (ms) per round, the rounds alternating between them."""
+    steps = 20 if which == "gpt" else 2
+    out: list[list[float]] = [[] for _ in steppers]
+    for _ in range(rounds):
+        for i, step in enumerate(steppers):
             t0 = time.perf_counter()
             for _ in range(steps):
-                opt.step()
+                step()
             out[i].append(1e3 * (time.perf_counter() - t0) / steps)
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base", required=True, help="git revision of the kernel to compare with")
+def arguments(what: str) -> argparse.Namespace:
+    """The options both A/B scripts take; sets torch's thread count."""
+    ap = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.split("\n")[0])
+    ap.add_argument("--base", required=True, help=f"git revision of the {what} to compare with")
     ap.add_argument("--sets", default="gpt,100m")
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--threads", type=int, default=1)
@@ -91,6 +104,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    return a
+
+
+def main() -> None:
+    a = arguments("kernel")
     base = subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{a.base}:csrc/gefen_cpu.cpp"],
         capture_output=True,

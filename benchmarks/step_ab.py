@@ -14,14 +14,12 @@ alternate between the two, as separate processes here disagree by more than such
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import io
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kernel_ab import report, result_row  # noqa: E402
+from kernel_ab import alternate, arguments, report, result_row  # noqa: E402
 from step_speed import make_params  # noqa: E402
 
 import gefen_dist  # noqa: E402
@@ -89,27 +87,11 @@ def timed(pkgs, which: str, bits: int, rounds: int) -> list[list[float]]:
     for _, opt in runs:
         for _ in range(2):
             opt.step()
-    steps = 20 if which == "gpt" else 2
-    out: list[list[float]] = [[], []]
-    for _ in range(rounds):
-        for i, (_, opt) in enumerate(runs):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                opt.step()
-            out[i].append(1e3 * (time.perf_counter() - t0) / steps)
-    return out
+    return alternate([opt.step for _, opt in runs], which, rounds)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base", required=True, help="git revision of the package to compare with")
-    ap.add_argument("--sets", default="gpt,100m")
-    ap.add_argument("--bits", default="4,8")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = arguments("package")
     base_rev = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", a.base],
         capture_output=True,
