@@ -112,15 +112,7 @@ class CpuPlan:
         for gi, t in zip(self.groups, steps, strict=True):
             r = rows.get((gi, t))
             if r is None:
-                g = opt.param_groups[gi]
-                h = Hyper(
-                    lr=float(g["lr"]),
-                    beta1=g["betas"][0],
-                    beta2=g["betas"][1],
-                    eps=g["eps"],
-                    weight_decay=g["weight_decay"],
-                    step=t,
-                )
+                h = Hyper.of(opt.param_groups[gi], t)
                 hr = array("f", table.hyper_row(h))
                 r = rows[(gi, t)] = (hr, array("f", native_cpu.cross_hyper_row(h)), step_key(t))
             per.append(r)
@@ -131,10 +123,11 @@ class CpuPlan:
             meta[r * cols + table.G_COL] = ga + off * sg
             meta[r * cols + table.KEY_COL] = key
             hyp[r * table.HYP_COLS : (r + 1) * table.HYP_COLS] = hr
-        cmeta, chyp, ccols = self.cross.meta, self.cross.hyp, native_cpu.CrossTable.COLS
+        cmeta, chyp = self.cross.meta, self.cross.hyp
+        ccols, chc = native_cpu.CrossTable.COLS, native_cpu.CrossTable.HYP_COLS
         for r, (k, off) in enumerate(self.cross_rows):
             cmeta[r * ccols] = addr[k][1] + off * self.sizes[k][1]
-            chyp[r * 4 : (r + 1) * 4] = per[k][1]
+            chyp[r * chc : (r + 1) * chc] = per[k][1]
         self.cross.sums.zero_()
         self.cross.run()
         self.step.run()

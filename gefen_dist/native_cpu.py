@@ -128,7 +128,7 @@ def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
 
 class StepTable:
     """The segment table of ``step`` as flat arrays the C++ call reads by address (not a list of
-    lists: torch.tensor walks one element by element). ``plan.CpuPlan`` keeps one from step to
+    lists: torch.tensor walks one element by element). ``cpu_plan.CpuPlan`` keeps one from step to
     step and rewrites only the addresses, step keys and hyperparameters in it."""
 
     def __init__(self, work: list[tuple]) -> None:
@@ -223,9 +223,9 @@ def cross_sums(
 class CrossTable:
     """The factor pass's table (rows of ``gefen_cpu_cross_table``) over (g, segment, h, whole)
     items, as flat arrays, with the buffers its sums, counts and factors land in: like
-    ``StepTable``, kept by ``plan.CpuPlan`` and rewritten in place from step to step."""
+    ``StepTable``, kept by ``cpu_plan.CpuPlan`` and rewritten in place from step to step."""
 
-    COLS = 11
+    COLS, HYP_COLS = 11, 4  # csrc's CrossCol; cross_hyper_row
 
     def __init__(
         self, work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]], fold: bool = True

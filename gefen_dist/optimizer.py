@@ -286,7 +286,6 @@ class Gefen(Optimizer):
         items: list[tuple] = []  # (impl, p, g, segment state, hyper, levels, mids, bits, key)
         origins: list[tuple] = []  # (group index, parameter, element offset) per item
         for gi, group in enumerate(self.param_groups):
-            beta1, beta2 = group["betas"]
             hypers: dict[int, Hyper] = {}  # by step: one object, and one table row, per value
             for p in group["params"]:
                 if p.grad is None:
@@ -295,14 +294,7 @@ class Gefen(Optimizer):
                 t = int(st["step"].item())
                 h = hypers.get(t)
                 if h is None:
-                    h = hypers[t] = Hyper(
-                        lr=float(group["lr"]),
-                        beta1=beta1,
-                        beta2=beta2,
-                        eps=group["eps"],
-                        weight_decay=group["weight_decay"],
-                        step=t,
-                    )
+                    h = hypers[t] = Hyper.of(group, t)
                 levels, mids, views, keys = self._prepared(p, st)
                 bits = state.bits_of(levels)
                 lp = _contiguous(sharding.local(p), p, self)
