@@ -7,16 +7,19 @@ tables changes but the gradients' addresses (``zero_grad(set_to_none=True)`` fre
 parameters' if something swapped their storage, the step counts and the hyperparameters. So after
 a step that ran entirely on the C++ kernel the optimizer keeps its tables; at the next it checks
 that the same parameters, in the same order and groups, have gradients, with the same state,
-dtypes and sizes, on the CPU and contiguous, then rewrites the addresses, step keys and
-hyperparameter rows in place and calls the kernel. Anything else (a parameter without its
-gradient, a reloaded or re-initialised state, another backend, a tensor spread over ranks,
-``maximize``) takes the long way, which builds a new plan.
+dtypes and sizes, on the CPU and contiguous, then counts the steps (one C call instead of
+torch._foreach_add_ over every step scalar and an item() of each), rewrites the addresses,
+step keys and hyperparameter rows in place and calls the kernel. Anything else (a parameter
+without its gradient, a reloaded or re-initialised state, another backend, a tensor spread
+over ranks, ``maximize``) takes the long way, which builds a new plan.
 """
 
 from __future__ import annotations
 
 from array import array
 from typing import TYPE_CHECKING
+
+import torch
 
 from . import native_cpu, sharding
 from . import segment_table as table
@@ -44,19 +47,24 @@ class CpuPlan:
         ``cross_items``/``cpu_items``: the items behind the factor pass's rows and behind the
         update table's work list."""
         self.backend = opt.backend
-        self.params, self.groups, self.hits = [], [], []
+        self.params, self.groups, self.states = [], [], []
         self.dtypes, self.numels, self.sizes = [], [], []
         where: dict[int, int] = {}
         for gi, p, _ in origins:
             if id(p) in where:
                 continue
             where[id(p)] = len(self.params)
+            st = opt.state[p]
             self.params.append(p)
             self.groups.append(gi)
-            self.hits.append(opt._views[p])
+            # the tensors the tables point into: a new one (a load, a re-initialisation) means
+            # new addresses, so the long way
+            self.states.append((st, st["codes"], st["codebook"], st["step"]))
             self.dtypes.append((p.dtype, p.grad.dtype))
             self.numels.append(p.numel())
             self.sizes.append((p.element_size(), p.grad.element_size()))
+        self.counts = array("q", [0] * len(self.params))  # the step counts' addresses
+        self.steps = array("f", [0.0] * len(self.params))  # and their values after the step
 
         def rows(items: list[int]) -> list[tuple[int, int]]:
             return [(where[id(origins[i][1])], origins[i][2]) for i in items]
@@ -75,12 +83,13 @@ class CpuPlan:
         )
 
     def run(self, opt: Gefen) -> bool:
-        """This step on the kept tables, or False (nothing done) where they do not fit it."""
+        """This step on the kept tables, step counts included, or False where they do not fit
+        it (nothing done then: the caller counts the steps and takes the long way)."""
         if opt.backend != self.backend:
             return False
         n, k = len(self.params), 0
         addr: list[tuple[int, int]] = []
-        steps: list[int] = []
+        counts, state, f32 = self.counts, opt.state, torch.float32
         for gi, group in enumerate(opt.param_groups):
             if group["maximize"]:
                 return False
@@ -90,11 +99,17 @@ class CpuPlan:
                     continue
                 if k == n or p is not self.params[k] or gi != self.groups[k]:
                     return False
-                st = opt.state[p]
-                opt._prepared(p, st)  # renews the cached views where the state was replaced
+                st, codes, book, count = self.states[k]
+                pt, gt = self.dtypes[k]
                 if (
-                    opt._views[p] is not self.hits[k]
-                    or (p.dtype, g.dtype) != self.dtypes[k]
+                    state.get(p) is not st
+                    or st["codes"] is not codes
+                    or st["codebook"] is not book
+                    or st["step"] is not count
+                    or count.dtype is not f32
+                    or not count.is_cpu
+                    or p.dtype is not pt
+                    or g.dtype is not gt
                     or p.numel() != self.numels[k]
                     or g.numel() != self.numels[k]
                     or not (p.is_cpu and g.is_cpu)
@@ -103,10 +118,12 @@ class CpuPlan:
                 ):
                     return False
                 addr.append((p.data_ptr(), g.data_ptr()))
-                steps.append(int(st["step"].item()))
+                counts[k] = count.data_ptr()
                 k += 1
         if k != n:
             return False
+        native_cpu.count_steps(counts, self.steps)
+        steps = [int(t) for t in self.steps]
         rows: dict[tuple[int, int], tuple] = {}  # (group, step) -> hyper rows, step key
         per: list[tuple] = []
         for gi, t in zip(self.groups, steps, strict=True):

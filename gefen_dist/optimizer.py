@@ -272,6 +272,8 @@ class Gefen(Optimizer):
         self._initialized = all(self.state.get(p) for p in known + list(self._segments))
         cuda_work: list[tuple] = []  # one call / three launches for all native segments
         cpu_work: list[tuple] = []
+        if self._plan is not None and self._plan.run(self):  # it counts the steps itself
+            return loss
         steps = [
             self.state[p]["step"]
             for g in self.param_groups
@@ -280,8 +282,6 @@ class Gefen(Optimizer):
         ]
         if steps:
             torch._foreach_add_(steps, 1)  # one call, not one per tensor
-        if self._plan is not None and self._plan.run(self):
-            return loss
         impls: dict[tuple, str] = {}
         items: list[tuple] = []  # (impl, p, g, segment state, hyper, levels, mids, bits, key)
         origins: list[tuple] = []  # (group index, parameter, element offset) per item

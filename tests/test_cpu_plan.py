@@ -149,3 +149,41 @@ def test_what_the_tables_cannot_describe_goes_the_long_way(ran):
     with pytest.raises(ValueError, match="contiguous"):
         o.step()
     assert ran == [True, False, False]
+
+
+def test_the_kept_tables_count_the_steps_a_replaced_count_goes_the_long_way(ran):
+    """The kept tables count each step once (in C, not torch._foreach_add_): after five steps
+    every count is 5, as the long way's. A count replaced by hand (an fp64 one here) is not
+    theirs to touch: that step goes the long way, which counts it as torch would."""
+    ma, mb = _model(), _model()
+    oa = Gefen(ma.parameters(), lr=1e-2)
+    ob = Gefen(mb.parameters(), lr=1e-2)
+    for t in range(5):
+        _grads(ma, t)
+        _grads(mb, t)
+        oa.step()
+        ob._plan = None
+        ob.step()
+        _assert_same(ma, oa, mb, ob)
+    assert ran == [True] * 4
+    assert {float(oa.state[p]["step"]) for p in ma.parameters()} == {5.0}
+    first = next(iter(ma.parameters()))
+    for m, o in ((ma, oa), (mb, ob)):
+        p = next(iter(m.parameters()))
+        o.state[p]["step"] = torch.tensor(9.0, dtype=torch.float64)
+    _grads(ma, 5)
+    _grads(mb, 5)
+    oa.step()
+    ob._plan = None
+    ob.step()
+    _assert_same(ma, oa, mb, ob)
+    assert ran == [True] * 4 + [False]
+    assert oa.state[first]["step"].dtype == torch.float64 and float(oa.state[first]["step"]) == 10
+    assert {float(oa.state[p]["step"]) for p in ma.parameters()} == {10.0, 6.0}
+
+
+def test_count_steps_refuses_outputs_of_another_length():
+    from array import array
+
+    with pytest.raises(ValueError, match="2 addresses but 1 outputs"):
+        native_cpu.count_steps(array("q", [0, 0]), array("f", [0.0]))
