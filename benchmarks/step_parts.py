@@ -1,0 +1,146 @@
+"""Where a CPU step's time goes: the Python around the kernel, the factor's pass over g and the
+update, beside fused AdamW's whole step and torch's ``p += g`` on the same tensors, in one process.
+
+Why: what to change next depends on which part holds the gap to fused AdamW. The parts come from
+the kept tables (``cpu_plan.CpuPlan``): the factor pass's table and the update's run alone, and
+the Python is the whole step with both calls left out. Each part is timed alone, in a loop of its
+own, so the parts need not add up to the whole step (a part repeated finds more of its data in
+cache). ``p += g`` (``torch._foreach_add_``) reads p and g and
+writes p, the update's own traffic in parameters and gradients without its arithmetic, so its
+time is what the update would take here if only those bytes counted; fused AdamW moves m and v
+as well. Timed rounds alternate between the five, as in ``kernel_ab.py``.
+
+    python benchmarks/step_parts.py [--sets gpt,100m] [--bits 4,8] [--threads 1]
+        [--rounds 7] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from step_speed import _cpu_model, _revision, make_params  # noqa: E402
+
+from gefen_dist import Gefen  # noqa: E402
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)  # step_speed.py's
+PARTS = ("gefen_step", "factor_pass", "update", "python", "adamw_fused", "p_plus_g")
+
+
+def copies(which: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A second set of the same parameters and gradients, for fused AdamW and ``p += g``."""
+    params = make_params(which)
+    out = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for a, p in zip(out, params, strict=True):
+        a.grad = p.grad.clone()
+    return params, out
+
+
+def parts(which: str, bits: int, rounds: int) -> dict:
+    params, other = copies(which)
+    opt = Gefen(params, bits=bits, **HYPER)
+    adamw = torch.optim.AdamW(other, fused=True, **HYPER)
+    for _ in range(2):
+        opt.step()
+        adamw.step()
+    plan = opt._plan
+    if plan is None:
+        sys.exit(f"{which}, {bits} bits: the step did not run on the kept C++ tables")
+    grads = [p.grad for p in other]
+
+    def factor_pass():
+        plan.cross.sums.zero_()
+        plan.cross.run()
+
+    @torch.no_grad()
+    def p_plus_g():
+        torch._foreach_add_(other, grads)
+
+    def python():  # the whole step with both kernel calls left out
+        cross, update = plan.cross.run, plan.step.run
+        plan.cross.run = plan.step.run = lambda: None
+        try:
+            opt.step()
+        finally:
+            plan.cross.run, plan.step.run = cross, update
+
+    run = dict(
+        gefen_step=opt.step,
+        factor_pass=factor_pass,
+        update=plan.step.run,
+        python=python,
+        adamw_fused=adamw.step,
+        p_plus_g=p_plus_g,
+    )
+    steps = 20 if which == "gpt" else 2
+    times: dict[str, list[float]] = {k: [] for k in PARTS}
+    for _ in range(rounds):
+        for name in PARTS:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                run[name]()
+            times[name].append(1e3 * (time.perf_counter() - t0) / steps)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    row = dict(
+        set=which,
+        bits=bits,
+        params=sum(p.numel() for p in params),
+        **{f"{k}_ms": med[k] for k in PARTS},
+        ratio_to_adamw=med["gefen_step"] / med["adamw_fused"],
+        rounds=times,
+    )
+    print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sets", default="gpt,100m")
+    ap.add_argument("--bits", default="4,8")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    rows = [
+        parts(which, bits, a.rounds)
+        for which in a.sets.split(",")
+        for bits in map(int, a.bits.split(","))
+    ]
+    print(
+        "| set | bits | Gefen step | factor pass | update | Python | fused AdamW | p += g "
+        "| Gefen / AdamW |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['set']} | {r['bits']} | {r['gefen_step_ms']:.2f} ms | "
+            f"{r['factor_pass_ms']:.2f} ms | {r['update_ms']:.2f} ms | {r['python_ms']:.2f} ms | "
+            f"{r['adamw_fused_ms']:.2f} ms | {r['p_plus_g_ms']:.2f} ms | "
+            f"{r['ratio_to_adamw']:.2f}x |"
+        )
+    if a.json:
+        meta = dict(
+            revision=_revision(),
+            threads=a.threads,
+            rounds=a.rounds,
+            cpu=_cpu_model(),
+            torch=torch.__version__,
+            command=" ".join(sys.argv),
+        )
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
