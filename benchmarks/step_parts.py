@@ -67,12 +67,11 @@ def parts(which: str, bits: int, rounds: int) -> dict:
         torch._foreach_add_(other, grads)
 
     def python():  # the whole step with both kernel calls left out
-        cross, update = plan.cross.run, plan.step.run
         plan.cross.run = plan.step.run = lambda: None
         try:
             opt.step()
         finally:
-            plan.cross.run, plan.step.run = cross, update
+            del plan.cross.run, plan.step.run  # the classes' methods again
 
     run = dict(
         gefen_step=opt.step,
