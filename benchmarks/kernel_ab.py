@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from step_speed import _cpu_model, _revision, make_params  # noqa: E402
+from step_speed import make_params, save  # noqa: E402
 
 from gefen_dist import Gefen, native_cpu  # noqa: E402
 
@@ -162,18 +162,7 @@ def report(rows: list[dict], a: argparse.Namespace, base: str, **meta) -> None:
             f"{min(r['here_rounds']):.2f}-{max(r['here_rounds']):.2f} |"
         )
     if a.json:
-        meta = dict(
-            base=base,
-            revision=_revision(),
-            threads=a.threads,
-            rounds=a.rounds,
-            cpu=_cpu_model(),
-            **meta,
-            torch=torch.__version__,
-            command=" ".join(sys.argv),
-        )
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+        save(a.json, rows, base=base, threads=a.threads, rounds=a.rounds, **meta)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ own, so the parts need not add up to the whole step (a part repeated finds more 
 cache). ``p += g`` (``torch._foreach_add_``) reads p and g and
 writes p, the update's own traffic in parameters and gradients without its arithmetic, so its
 time is what the update would take here if only those bytes counted; fused AdamW moves m and v
-as well. Timed rounds alternate between the five, as in ``kernel_ab.py``.
+as well. Timed rounds alternate between the six, with ``kernel_ab.alternate``.
 
     python benchmarks/step_parts.py [--sets gpt,100m] [--bits 4,8] [--threads 1]
         [--rounds 7] [--json out.json]
@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from step_speed import _cpu_model, _revision, make_params  # noqa: E402
+from kernel_ab import alternate  # noqa: E402
+from step_speed import make_params, save  # noqa: E402
 
 from gefen_dist import Gefen  # noqa: E402
 
@@ -81,14 +81,7 @@ def parts(which: str, bits: int, rounds: int) -> dict:
         adamw_fused=adamw.step,
         p_plus_g=p_plus_g,
     )
-    steps = 20 if which == "gpt" else 2
-    times: dict[str, list[float]] = {k: [] for k in PARTS}
-    for _ in range(rounds):
-        for name in PARTS:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                run[name]()
-            times[name].append(1e3 * (time.perf_counter() - t0) / steps)
+    times = dict(zip(PARTS, alternate([run[k] for k in PARTS], which, rounds), strict=True))
     med = {k: statistics.median(v) for k, v in times.items()}
     row = dict(
         set=which,
@@ -129,16 +122,7 @@ def main() -> None:
             f"{r['ratio_to_adamw']:.2f}x |"
         )
     if a.json:
-        meta = dict(
-            revision=_revision(),
-            threads=a.threads,
-            rounds=a.rounds,
-            cpu=_cpu_model(),
-            torch=torch.__version__,
-            command=" ".join(sys.argv),
-        )
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+        save(a.json, rows, threads=a.threads, rounds=a.rounds)
 
 
 if __name__ == "__main__":

@@ -157,6 +157,20 @@ def _revision() -> str:
     return (head.stdout.strip() or "unknown") + ("-dirty" if changed.stdout.strip() else "")
 
 
+def save(path: Path, rows: list[dict], **meta) -> None:
+    """``rows`` and ``meta`` as JSON at ``path``, with what every result here records: the
+    revision, the CPU, torch's version and the command."""
+    meta = dict(
+        **meta,
+        cpu=_cpu_model(),
+        revision=_revision(),
+        torch=torch.__version__,
+        command=" ".join(sys.argv),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+
+
 def run_child(name: str, which: str, steps: int, threads: int) -> dict:
     cmd = [
         sys.executable,
@@ -234,19 +248,9 @@ def main() -> None:
                 runs[name].append(run_child(name, which, a.steps, a.threads))
                 print(json.dumps(runs[name][-1]), flush=True)
         rows += [combine(runs[n]) for n in names]
-    meta = dict(
-        torch=torch.__version__,
-        threads=a.threads,
-        cpus=os.cpu_count(),
-        cpu=_cpu_model(),
-        revision=_revision(),
-        rounds=a.rounds,
-        command=" ".join(sys.argv),
-    )
     print(table(rows))
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+        save(a.json, rows, threads=a.threads, cpus=os.cpu_count(), rounds=a.rounds)
 
 
 if __name__ == "__main__":
