@@ -119,9 +119,11 @@ def build_error() -> str | None:
 
 
 def isa() -> str | None:
-    """The vector path the loaded library runs: 'avx512', 'avx2' or 'scalar' (None: not built)."""
+    """The vector path the loaded library runs: 'avx512vbmi', 'avx512', 'avx2' or 'scalar'
+    (None: not built)."""
     lib = load()
-    return None if lib is None else {512: "avx512", 256: "avx2"}.get(lib.gefen_cpu_isa(), "scalar")
+    names = {513: "avx512vbmi", 512: "avx512", 256: "avx2"}
+    return None if lib is None else names.get(lib.gefen_cpu_isa(), "scalar")
 
 
 def supports(p: torch.Tensor, g: torch.Tensor) -> bool:

@@ -615,7 +615,7 @@ class Gefen(Optimizer):
         ``spread_v_cross``: v_cross entries this rank keeps for tensors spread over ranks, by
         tensor; each rank holding a piece keeps a copy (4 bytes an entry), the one state that
         sharding duplicates. ``backend``: which update ran; ``cpu_isa``: with native-cpu, the
-        vector path its build compiled ('avx512', 'avx2' or 'scalar')."""
+        vector path its build compiled ('avx512vbmi', 'avx512', 'avx2' or 'scalar')."""
         rows = []
         spread: dict[str, int] = {}
         for p, st in self.state.items():

@@ -155,6 +155,55 @@ def test_cpp_codes_are_the_nearest_level_even_for_crowded_levels(bits):
     assert torch.equal(onb.state[pn]["codes"], orf.state[pr]["codes"])
 
 
+def _grid_reach(levels):
+    """The most interior levels in one of the C++ kernel's 128 grid cells over [-1, 1], each
+    widened by 2^-23 (gefen_cpu.cpp, levels4): which of its 4-bit level counts the codes take."""
+    inner = levels[1:15].double()
+    edges = -1.0 + torch.arange(129, dtype=torch.float64) / 64
+    lo, hi = edges[:-1, None] - 2**-23, edges[1:, None] + 2**-23
+    return int(((inner > lo) & (inner <= hi)).sum(dim=1).max())
+
+
+def _ulps(x, k):
+    """x moved k float32 steps (k < 0: down)."""
+    toward = torch.full_like(x, float("inf") if k > 0 else float("-inf"))
+    for _ in range(abs(k)):
+        x = torch.nextafter(x, toward)
+    return x
+
+
+@pytest.mark.parametrize("reach", [1, 2, 3])
+def test_cpp_4bit_codes_at_grid_edges(reach):
+    """The 4-bit level count from the grid (a byte permute of x's cell, then ``reach`` compares)
+    must give the reference's codes where rounding decides: levels on cell edges and a float
+    step either side of them, grouped ``reach`` to a cell, and x on and around every edge and
+    level. Each step from zero state, with one |g| = 1 per block: x = g up to an ulp, and
+    m = (1 - b1) g exactly in both (later steps' m may differ by an ulp: torch's lerp)."""
+    edges = -1.0 + torch.arange(129, dtype=torch.float32) / 64
+    if reach == 1:  # on edges, a cell or more apart
+        inner = edges[torch.arange(14) * 9 + 5]
+    elif reach == 2:  # a cell's two edges
+        inner = edges[torch.tensor([2, 3, 20, 21, 40, 41, 60, 61, 80, 81, 100, 101, 120, 121])]
+    else:  # an edge, a step below it and a step above
+        at = edges[torch.tensor([3, 30, 60, 90, 110])]
+        inner = torch.stack([_ulps(at, -1), at, _ulps(at, 1)], dim=1).flatten()[:14]
+    levels = torch.cat([torch.tensor([-1.0]), inner, torch.tensor([1.0])])
+    assert _grid_reach(levels) == reach
+    targets = torch.cat([inner, edges])
+    near = torch.cat([_ulps(targets, k) for k in (-2, -1, 0, 1, 2)]).clamp(-1, 1)
+    numel, row = 64 * 96, 96
+    g = torch.rand(numel, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    g[: len(near)] = near
+    g = g[torch.randperm(numel, generator=torch.Generator().manual_seed(2))]
+    g[::row] = 1.0
+    for sign in (1.0, -1.0):
+        (pr, pn), (orf, onb) = _pair(4, 0, numel, (64, row), "native", levels=levels)
+        pr.grad, pn.grad = sign * g, sign * g
+        orf.step()
+        onb.step()
+        assert torch.equal(onb.state[pn]["codes"], orf.state[pr]["codes"]), f"sign {sign}"
+
+
 def test_cpp_follows_torch_lerp_for_small_beta1():
     """torch's lerp switches formula at weight 0.5 (beta1 < 0.5); the kernel must follow."""
     (pr, pn), (orf, onb) = _pair(8, 0, 96 * 64, (64, 96), "native", betas=(0.3, 0.9))
@@ -210,7 +259,11 @@ def test_cpp_columns_of_low_precision_params_match_reference(dtype):
     torch.testing.assert_close(ps[1], ps[0], rtol=ulp, atol=1e-3 * ulp)
 
 
-NARROWER = {"avx2": "-mno-avx512f", "scalar": "-mno-avx512f -mno-avx2"}
+NARROWER = {
+    "avx512": "-mno-avx512vbmi",
+    "avx2": "-mno-avx512f",
+    "scalar": "-mno-avx512f -mno-avx2",
+}
 
 
 @pytest.mark.parametrize("isa", list(NARROWER))
