@@ -504,6 +504,65 @@ inline float move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
   return amax;
 }
 
+#ifdef __AVX512F__
+// move() for fp32 p and g and 4-bit codes from an even element, decoding in the loop (decode's
+// permute) so the levels never pass through buf; the same operations in the same order. The
+// elements past the last sixteen go through decode and move.
+template <bool kLow, bool kFac>
+inline float move4(float* __restrict buf, float* __restrict p, const float* __restrict g,
+                   const uint8_t* __restrict codes, int64_t n, float old, float denom, float sv,
+                   const float* __restrict fac, const Hyper& h, const Levels4& l4) {
+  const __m512 lv16 = _mm512_loadu_ps(l4.lv);
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  const __m512 vold = _mm512_set1_ps(old), w = _mm512_set1_ps(h.w), w1 = _mm512_set1_ps(1.0f - h.w);
+  const __m512 decay = _mm512_set1_ps(h.decay), neg = _mm512_set1_ps(h.neg_step);
+  const __m512 eps = _mm512_set1_ps(h.eps), vsv = _mm512_set1_ps(sv), vden = _mm512_set1_ps(denom);
+  __m512 amax = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2));
+    const __m512i k = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b)), shifts);
+    const __m512 start = _mm512_mul_ps(_mm512_permutexvar_ps(k, lv16), vold);
+    const __m512 end = _mm512_loadu_ps(g + i), diff = _mm512_sub_ps(end, start);
+    const __m512 m = kLow ? _mm512_add_ps(start, _mm512_mul_ps(w, diff))
+                          : _mm512_sub_ps(end, _mm512_mul_ps(diff, w1));
+    _mm512_storeu_ps(buf + i, m);
+    const __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);
+    const __m512 d = kFac ? _mm512_add_ps(_mm512_mul_ps(vsv, _mm512_loadu_ps(fac + i)), eps) : vden;
+    _mm512_storeu_ps(p + i, _mm512_add_ps(pi, _mm512_mul_ps(neg, _mm512_div_ps(m, d))));
+    amax = _mm512_max_ps(_mm512_abs_ps(m), amax);
+  }
+  float a = _mm512_reduce_max_ps(amax);
+  if (i < n) {
+    decode(codes, i, n, true, l4.lv, &l4, buf + i);
+    a = std::max(a, move<F32, F32, kLow, kFac>(buf + i, p + i, g + i, n - i, old, denom, sv,
+                                               kFac ? fac + i : nullptr, h));
+  }
+  return a;
+}
+#endif
+
+// A block's m, parameter step and max |m| from its codes (decode, then move; move4 where it can)
+template <int PT, int GT, bool kFac>
+inline float update(float* buf, typename Elem<PT>::T* p, const typename Elem<GT>::T* g,
+                    const uint8_t* codes, int64_t lo, int64_t hi, bool four, const float* levels,
+                    const Levels4* l4, float old, float denom, float sv, const float* fac,
+                    const Hyper& h) {
+  const int64_t n = hi - lo;
+#ifdef __AVX512F__
+  if constexpr (PT == F32 && GT == F32) {
+    if (four && !(lo & 1)) {
+      const uint8_t* c = codes + lo / 2;
+      return h.w < 0.5f ? move4<true, kFac>(buf, p, g, c, n, old, denom, sv, fac, h, *l4)
+                        : move4<false, kFac>(buf, p, g, c, n, old, denom, sv, fac, h, *l4);
+    }
+  }
+#endif
+  decode(codes, lo, hi, four, levels, l4, buf);
+  return h.w < 0.5f ? move<PT, GT, true, kFac>(buf, p, g, n, old, denom, sv, fac, h)
+                    : move<PT, GT, false, kFac>(buf, p, g, n, old, denom, sv, fac, h);
+}
+
 template <int PT, int GT>
 void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax, float* v,
                const float* levels, const float* mp, int n_mids, const int32_t* table,
@@ -530,16 +589,11 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
   const float sv = std::sqrt(vj);
   const float denom = sv / h.bc2 + h.eps;
   const float old = absmax[j];
-  decode(codes, lo, hi, four, levels, l4, buf);
-  float amax;
-  if (fac) {
-    const float* f = fac + (start + lo) % block;
-    amax = h.w < 0.5f ? move<PT, GT, true, true>(buf, pb, gb, n, old, denom, sv, f, h)
-                      : move<PT, GT, false, true>(buf, pb, gb, n, old, denom, sv, f, h);
-  } else {
-    amax = h.w < 0.5f ? move<PT, GT, true, false>(buf, pb, gb, n, old, denom, sv, nullptr, h)
-                      : move<PT, GT, false, false>(buf, pb, gb, n, old, denom, sv, nullptr, h);
-  }
+  const float* f = fac ? fac + (start + lo) % block : nullptr;
+  const float amax = fac ? update<PT, GT, true>(buf, pb, gb, codes, lo, hi, four, levels, l4, old,
+                                                denom, sv, f, h)
+                         : update<PT, GT, false>(buf, pb, gb, codes, lo, hi, four, levels, l4,
+                                                 old, denom, sv, f, h);
   absmax[j] = amax;
   const float scale = amax > 0.0f ? amax : 1.0f;
   requantize_range<false>(buf, nullptr, scale, n, four, levels, mp, n_mids, table, start + lo, key,

@@ -204,9 +204,11 @@ def test_cpp_4bit_codes_at_grid_edges(reach):
         assert torch.equal(onb.state[pn]["codes"], orf.state[pr]["codes"]), f"sign {sign}"
 
 
-def test_cpp_follows_torch_lerp_for_small_beta1():
-    """torch's lerp switches formula at weight 0.5 (beta1 < 0.5); the kernel must follow."""
-    (pr, pn), (orf, onb) = _pair(8, 0, 96 * 64, (64, 96), "native", betas=(0.3, 0.9))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpp_follows_torch_lerp_for_small_beta1(bits):
+    """torch's lerp switches formula at weight 0.5 (beta1 < 0.5); the kernel must follow (at 4
+    bits in the loop that decodes as it moves, too)."""
+    (pr, pn), (orf, onb) = _pair(bits, 0, 96 * 64, (64, 96), "native", betas=(0.3, 0.9))
     for t in range(3):
         g = _grad(96 * 64, 0, 96, t)
         pr.grad, pn.grad = g.clone(), g.clone()
