@@ -174,10 +174,11 @@ struct Levels4 {
 };
 
 // Levels4 for sorted levels (state.check_loaded refuses unsorted ones). Cell c is
-// [-1 + c / 64, -1 + (c + 1) / 64); an x in [-1, 1] lands in the computed cell
-// floor(fl(x + 1) * 64) (capped at 127) or one whose edge lies within 2^-24 of it, so every
-// interior level at or below the widened cell's left edge is <= x, every one above its right edge
-// is > x, and the count is grid[c] plus the compares against the at most ``reach`` levels between.
+// [-1 + c / 64, -1 + (c + 1) / 64). For x in [-1, 1] the computed cell c = min(floor(fl(x + 1) *
+// 64), 127) holds x, or x lies within 2^-24 outside one of its edges (fl(x + 1) is exact below
+// x = -0.5 and within 2^-24 above), so every interior level at or below the widened cell's left
+// edge is <= x, every one above its right edge is > x, and the count is grid[c] plus the
+// compares against the at most ``reach`` levels between.
 // A NaN x reads cell 0 and compares false throughout, so it counts grid[0], which must be 0
 // (count16 gives 0): the grid stands in only then, and for a reach of at most kMaxReach.
 void levels4(const float* levels, Levels4& l) {
