@@ -15,7 +15,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -151,7 +153,7 @@ inline __m512i count16(__m512 search, __m512 x, __m512 l4, __m512 l8, __m512 l12
 }
 #endif
 
-// At 4 bits, what decoding and coding a segment's blocks read, built once per step (Prep) rather
+// At 4 bits, what decoding and coding a codebook's blocks read, built once per step (Prep) rather
 // than per block: in a profile of the demo GPT's step (blocks of 256) the coding's setup took a
 // sixth of its time.
 //
@@ -395,8 +397,8 @@ inline int64_t stochastic16(const float* __restrict buf, const float* __restrict
 // stream per 16 elements.
 template <bool kPer>
 inline void requantize_range(const float* __restrict buf, const float* __restrict scale,
-                             float scale_one, int64_t n, bool four, const float* levels,
-                             const float* mp, int n_mids, const int32_t* table, int64_t first,
+                             float scale_one, int64_t n, bool four, const float* mp, int n_mids,
+                             const int32_t* table, int64_t first,
                              uint32_t key, int32_t* __restrict idx, const Prefetch& next,
                              const Levels4* l4) {
   if (four) {
@@ -597,8 +599,8 @@ void one_block(int64_t j, void* p, const void* g, uint8_t* codes, float* absmax,
                                                  old, denom, sv, f, h);
   absmax[j] = amax;
   const float scale = amax > 0.0f ? amax : 1.0f;
-  requantize_range<false>(buf, nullptr, scale, n, four, levels, mp, n_mids, table, start + lo, key,
-                          idx, Prefetch(pb + n, gb + n, std::min(block, numel - hi)), l4);
+  requantize_range<false>(buf, nullptr, scale, n, four, mp, n_mids, table, start + lo, key, idx,
+                          Prefetch(pb + n, gb + n, std::min(block, numel - hi)), l4);
   encode(codes, lo, hi, four, idx);
 }
 
@@ -727,7 +729,7 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
         else
           column_move<PT, GT, false, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h);
         const int64_t next = std::min(period, numel - hi);  // the next row's elements
-        requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, levels, mp, n_mids, table,
+        requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, mp, n_mids, table,
                                start + lo, key, idx.data(), Prefetch(pt + hi, gt + hi, next), l4);
         encode(codes, lo, hi, four, idx.data());
       }
@@ -817,7 +819,7 @@ bool pick(int pt, int gt, Kernels& k) {
 }
 
 // What a segment needs besides its row: the kernel for its dtypes, the padded midpoints (8 bits)
-// or its Levels4 (4 bits).
+// or its codebook's Levels4 (4 bits).
 struct Prep {
   const int64_t* m;
   Hyper h;
@@ -826,7 +828,7 @@ struct Prep {
   int n_mids;
   int64_t items;
   std::vector<float> mp;
-  std::vector<Levels4> l4;  // one at 4 bits
+  const Levels4* l4;
 };
 
 // reference.cross_sums: fp64 sums of g^2 and counts per entry of a tensor's v_cross over one
@@ -970,6 +972,8 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
                    const uint8_t* v_done, int n_seg, int threads) {
   std::vector<Prep> prep(n_seg);
   std::vector<int64_t> prefix(n_seg + 1, 0);
+  // one Levels4 per codebook (the 4-bit segments of a model share one), not one per segment
+  std::vector<std::pair<const float*, std::unique_ptr<Levels4>>> books;
   int64_t width = 1;
   for (int s = 0; s < n_seg; ++s) {
     Prep& r = prep[s];
@@ -981,6 +985,7 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
         block == 0 || numel < 0 || (block != 1 && bits != 4 && bits != 8))
       return -(s + 1);
     r.four = bits == 4;
+    r.l4 = nullptr;
     r.serial = false;
     r.columns = block < 0;
     r.items = 0;
@@ -992,8 +997,14 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
       if (r.n_mids + 1 != (r.four ? 16 : 256)) return -(s + 1);
       const float* levels = reinterpret_cast<const float*>(m[kLevels]);
       if (r.four) {  // stochastic rounding works on the levels; midpoints are for 8 bits
-        r.l4.resize(1);
-        levels4(levels, r.l4[0]);
+        auto book = std::find_if(books.begin(), books.end(),
+                                 [&](const auto& b) { return b.first == levels; });
+        if (book == books.end()) {
+          books.emplace_back(levels, std::make_unique<Levels4>());
+          book = books.end() - 1;
+          levels4(levels, *book->second);
+        }
+        r.l4 = book->second.get();
       } else {
         if (!luts[s]) return -(s + 1);
         const float* mids = reinterpret_cast<const float*>(m[kMids]);
@@ -1031,7 +1042,7 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
                reinterpret_cast<float*>(m[kAbsmax]), reinterpret_cast<float*>(m[kV]),
                reinterpret_cast<const float*>(m[kLevels]), r.mp.data(), r.n_mids, lut_of(s),
                m[kStart], m[kNumel], m[kBlock], r.four, static_cast<uint32_t>(m[kStepKey]), r.h,
-               r.l4.data(), reinterpret_cast<const float*>(m[kFactor]), v_done && v_done[s],
+               r.l4, reinterpret_cast<const float*>(m[kFactor]), v_done && v_done[s],
                buf, idx);
   };
 #pragma omp parallel num_threads(std::max(threads, 1)) if (threads > 1 && total > 1)
@@ -1058,7 +1069,7 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
                  reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
                  reinterpret_cast<float*>(m[kV]), reinterpret_cast<const float*>(m[kLevels]),
                  r.mp.data(), r.n_mids, lut_of(s), m[kStart], m[kNumel], -m[kBlock], r.four,
-                 static_cast<uint32_t>(m[kStepKey]), r.h, r.l4.data(),
+                 static_cast<uint32_t>(m[kStepKey]), r.h, r.l4,
                  reinterpret_cast<const float*>(m[kFactor]), threads);
   }
   return 0;
