@@ -93,10 +93,12 @@ def alternate(steppers: list, which: str, rounds: int) -> list[list[float]]:
     return out
 
 
-def arguments(what: str) -> argparse.Namespace:
-    """The options both A/B scripts take; sets torch's thread count."""
+def arguments(what: str | None) -> argparse.Namespace:
+    """The options the A/B scripts and step_parts take (``--base``, the revision of ``what`` to
+    compare with, where ``what`` is given); sets torch's thread count."""
     ap = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.split("\n")[0])
-    ap.add_argument("--base", required=True, help=f"git revision of the {what} to compare with")
+    if what is not None:
+        ap.add_argument("--base", required=True, help=f"git revision of the {what} to compare with")
     ap.add_argument("--sets", default="gpt,100m")
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--threads", type=int, default=1)

@@ -16,7 +16,6 @@ as well. Timed rounds alternate between the six, with ``kernel_ab.alternate``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kernel_ab import alternate  # noqa: E402
+from kernel_ab import alternate, arguments  # noqa: E402
 from step_speed import make_params, save  # noqa: E402
 
 from gefen_dist import Gefen  # noqa: E402
@@ -96,14 +95,7 @@ def parts(which: str, bits: int, rounds: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sets", default="gpt,100m")
-    ap.add_argument("--bits", default="4,8")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    a = arguments(None)
     rows = [
         parts(which, bits, a.rounds)
         for which in a.sets.split(",")
