@@ -407,7 +407,9 @@ class Gefen(Optimizer):
             self._views[p] = hit
         return hit[1:]
 
-    def _cross_factors(self, items: list[tuple]) -> tuple:
+    def _cross_factors(
+        self, items: list[tuple]
+    ) -> tuple[list[torch.Tensor | None], set[int], native_cpu.CrossTable, list[int]]:
         """This step's ``reference.cross_factor`` per segment (None where it has none): from the
         segment's own g where it holds its whole tensor; from the sums over every rank's piece
         where the tensor is spread, all such tensors in one all-reduce, so each rank takes the
