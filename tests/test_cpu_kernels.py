@@ -359,6 +359,24 @@ def test_native_cross_sums_match_reference(dtype, start, numel, block, length):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [96, 97])
+def test_native_row_sums_do_not_depend_on_the_rows_beside_them(dtype, width):
+    """Column segments' v_cross sums run over tensor rows, several rows to a loop where the vector
+    path allows: each row's sum is the same bits whichever rows a piece groups it with (pieces
+    starting 0 to 4 rows in), so a tensor cut differently over ranks gets the same v_cross."""
+    from gefen_dist import native_cpu
+
+    rows = 23
+    g = (torch.randn(rows * width, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)
+    whole = native_cpu.cross_sums(g, 0, -width, rows)[0]
+    for first in range(1, 5):
+        start = first * width
+        part = native_cpu.cross_sums(g[start:], start, -width, rows)[0]
+        assert torch.equal(part[first:], whole[first:]), first
+        assert torch.equal(part[:first], torch.zeros(first, dtype=part.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "start,numel,block", [(0, 96 * 200, 96), (37, 4001, 96), (50, 30, 96), (96, 96 * 40, 96)]
 )
