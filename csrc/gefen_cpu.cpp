@@ -637,11 +637,16 @@ void block_run(const Blocks& b, int64_t j0, int64_t j1, float* buf, float* other
   for (int64_t j = j0; j < j1; ++j) {
     const float next = j + 1 < j1 ? block_move<PT, GT>(b, j + 1, other) : 0.0f;
     const int64_t lo = b.lo(j), hi = b.hi(j), ahead = b.lo(j + 2);
+    // and, at once, the codes that block's move decodes (an eighth or a quarter of its p and g
+    // traffic): without this the move waited on them (results/step_speed/kernel_ab_codes.json)
+    const int64_t after = b.hi(j + 2);
+    const int64_t c0 = b.four ? ahead / 2 : ahead, c1 = b.four ? (after + 1) / 2 : after;
+    for (int64_t c = c0; c < c1; c += 64) __builtin_prefetch(b.codes + c);
     requantize_range<false>(buf, nullptr, scale, hi - lo, b.four, b.mp, b.n_mids, b.table,
                             b.start + lo, b.key, idx,
                             Prefetch(static_cast<typename Elem<PT>::T*>(b.p) + ahead,
                                      static_cast<const typename Elem<GT>::T*>(b.g) + ahead,
-                                     std::max<int64_t>(b.hi(j + 2) - ahead, 0)),
+                                     std::max<int64_t>(after - ahead, 0)),
                             b.l4);
     encode(b.codes, lo, hi, b.four, idx);
     std::swap(buf, other);
