@@ -878,6 +878,38 @@ struct Prep {
   Blocks b;  // row-block segments
 };
 
+#ifdef __AVX512F__
+// One fp32 row of n (a multiple of 16) into the column sums ``acc`` and its own sum, in the order
+// GCC's loop in cross_sums adds the other rows (lane j mod 16 in two registers, then lanes 0 to
+// 15 one by one; tests/test_cpu_kernels.py holds it to that), prefetching the line kRowAhead
+// bytes on, before ``end``: left to the hardware, this pass read g at well under the speed of
+// a plain read of it (results/step_speed/kernel_ab_rowahead.json).
+constexpr int64_t kRowAhead = 16384;
+inline double row_sums16(const float* __restrict row, double* __restrict acc, int64_t n,
+                         const float* end) {
+  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+  const char* ahead = reinterpret_cast<const char*>(row) + kRowAhead;
+  const int64_t room = reinterpret_cast<const char*>(end) - ahead;
+  for (int64_t j = 0; j < n; j += 16) {
+    if (j * 4 < room) _mm_prefetch(ahead + j * 4, _MM_HINT_T0);
+    const __m512 v = _mm512_loadu_ps(row + j);
+    const __m512d x0 = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+    const __m512d x1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1));
+    const __m512d q0 = _mm512_mul_pd(x0, x0), q1 = _mm512_mul_pd(x1, x1);
+    _mm512_storeu_pd(acc + j, _mm512_add_pd(_mm512_loadu_pd(acc + j), q0));
+    _mm512_storeu_pd(acc + j + 8, _mm512_add_pd(_mm512_loadu_pd(acc + j + 8), q1));
+    s0 = _mm512_add_pd(s0, q0);
+    s1 = _mm512_add_pd(s1, q1);
+  }
+  alignas(64) double lanes[16];
+  _mm512_store_pd(lanes, s0);
+  _mm512_store_pd(lanes + 8, s1);
+  double s = 0.0;
+  for (int k = 0; k < 16; ++k) s += lanes[k];
+  return s;
+}
+#endif
+
 // reference.cross_sums: fp64 sums of g^2 and counts per entry of a tensor's v_cross over one
 // piece. Each entry's sum runs over the piece's rows in a fixed order, whatever the thread count.
 // Contiguous blocks with ``v``: the rows are the piece's blocks (cut at its ends), and each one's
@@ -921,6 +953,15 @@ void cross_sums(const void* gv, int64_t start, int64_t numel, int64_t block, dou
       for (int64_t r = c * per; r < std::min(whole, (c + 1) * per); ++r) {
         const auto* __restrict row = g + head + r * width;
         double s = 0.0;
+#ifdef __AVX512F__
+        if constexpr (GT == F32) {
+          if (width % 16 == 0) {
+            s = row_sums16(row, acc, width, g + head + whole * width);
+            fold(j0 + r, s, width);
+            continue;
+          }
+        }
+#endif
 #pragma omp simd reduction(+ : s)
         for (int64_t j = 0; j < width; ++j) {
           const double x = Elem<GT>::get(row[j]);

@@ -412,6 +412,62 @@ def test_native_cross_sums_fold_each_blocks_mean_square_into_v(dtype, start, num
         native_cpu.cross_sums(g, start, -block, 3, v, h)
 
 
+def _lane_order_sum(squares: torch.Tensor, lanes_first: range) -> torch.Tensor:
+    """Row sums in fp64 the way the AVX-512 loop adds them: lane j mod 16 over the row, then the
+    lanes one by one in the order given."""
+    rows, width = squares.shape
+    lanes = torch.zeros(rows, 16, dtype=torch.float64)
+    for i in range(width // 16):
+        lanes = lanes + squares[:, 16 * i : 16 * (i + 1)]
+    total = torch.zeros(rows, dtype=torch.float64)
+    for k in lanes_first:
+        total = total + lanes[:, k]
+    return total
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_block_sums_add_sixteen_lanes_in_order(threads):
+    """With AVX-512 the factor pass sums an fp32 row whose length is a multiple of 16 by hand
+    (beside a prefetch), in the order GCC's vector loop adds the other rows: lane j mod 16, then
+    lanes 0 to 15 one by one. The rows here make the order show in the folded fp32 v: a row
+    mean of 0.5 + 2^-25 (an fp32 tie, rounding to 0.5) made of 16 + 2^-20 in two lanes and four
+    2^-50 in others, which vanish when added after the 16 and make 2^-48 (enough to round the
+    mean up) when added first."""
+    from gefen_dist import native_cpu, reference
+
+    if native_cpu.isa() not in ("avx512", "avx512vbmi"):
+        pytest.skip(f"the hand-written row loop is AVX-512's; this build is {native_cpu.isa()}")
+    width = 32
+    g = torch.zeros(4, width)
+    g[0, [0, 1]] = torch.tensor([4.0, 2.0**-10])  # the 16 + 2^-20 in lanes 0 and 1 ...
+    g[0, 8:12] = 2.0**-25  # ... the four 2^-50 in lanes 8-11
+    g[1, [16, 17]] = torch.tensor([4.0, 2.0**-10])  # the same in the row's second sixteen
+    g[1, 2:6] = 2.0**-25
+    g[2, [0, 17]] = torch.tensor([4.0, 2.0**-10])
+    g[2, [12, 13, 30, 31]] = 2.0**-25
+    # eight 2^-50 that a tree of pairwise sums (lane k with k + 8, then + 4, + 2, + 1) would
+    # gather into 2^-47 before the 16: the mean rounds up then
+    g[3, [0, 4]] = torch.tensor([4.0, 2.0**-10])
+    g[3, [2, 3, 6, 7, 10, 11, 14, 15]] = 2.0**-25
+    h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.5, eps=1e-8, weight_decay=0.0, step=3)
+    v = torch.zeros(4)
+    torch.set_num_threads(threads)
+    try:
+        native_cpu.cross_sums(g.flatten(), 0, width, width, v, h)
+    finally:
+        torch.set_num_threads(1)
+    squares = g.double().square()
+
+    def folded(total):
+        return torch.tensor(0.5) * (total / width).float()
+
+    want = folded(_lane_order_sum(squares, range(16)))
+    assert torch.equal(want, torch.full((4,), 0.25))  # the tie went to 0.5
+    # the rows tell orders apart: lanes 8-15 first would round every mean up
+    assert not torch.equal(want, folded(_lane_order_sum(squares, [*range(8, 16), *range(8)])))
+    assert torch.equal(v, want)
+
+
 def test_native_step_names_the_segment_it_refuses_and_writes_nothing():
     """A row the kernel refuses (here 6-bit codes) is reported as that row of the flat table,
     not its neighbour's, and no segment of the call moves."""
