@@ -566,8 +566,8 @@ inline float update(float* buf, typename Elem<PT>::T* p, const typename Elem<GT>
                     : move<PT, GT, false, kFac>(buf, p, g, n, old, denom, sv, fac, h);
 }
 
-// A segment of row blocks, as its table row gives it
-struct Blocks {
+// A segment's pointers and constants, read once from its table row
+struct Segment {
   void* p;
   const void* g;
   uint8_t* codes;
@@ -583,7 +583,7 @@ struct Blocks {
   Hyper h;
   const Levels4* l4;
   const float* fac;
-  // block j's elements [lo, hi) of the piece; empty past its last block
+  // row block j's elements [lo, hi) of the piece; empty past its last block
   int64_t lo(int64_t j) const {
     return std::min(std::max((start / block + j) * block, start) - start, numel);
   }
@@ -595,7 +595,7 @@ struct Blocks {
 // A block's first half: v, the parameter step and the new absmax, its m into buf; returns the
 // scale its codes take
 template <int PT, int GT>
-float block_move(const Blocks& b, int64_t j, float* buf) {
+float block_move(const Segment& b, int64_t j, float* buf) {
   const int64_t lo = b.lo(j), hi = b.hi(j), n = hi - lo;
   auto* pb = static_cast<typename Elem<PT>::T*>(b.p) + lo;
   const auto* gb = static_cast<const typename Elem<GT>::T*>(b.g) + lo;
@@ -631,7 +631,7 @@ float block_move(const Blocks& b, int64_t j, float* buf) {
 // falls on an odd element: a move decodes its codes before the coding of the block before it
 // writes their byte, and encode merges the nibble, so the same codes come out.
 template <int PT, int GT>
-void block_run(const Blocks& b, int64_t j0, int64_t j1, float* buf, float* other,
+void block_run(const Segment& b, int64_t j0, int64_t j1, float* buf, float* other,
                int32_t* idx) {
   float scale = block_move<PT, GT>(b, j0, buf);
   for (int64_t j = j0; j < j1; ++j) {
@@ -699,12 +699,14 @@ inline void column_move(float* __restrict buf, typename Elem<PT>::T* __restrict 
 // on the shape, not the thread count, so results are the same on any number of threads; at 4
 // bits with odd P a chunk holds an even number of rows, so no byte straddles two chunks.
 template <int PT, int GT>
-void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
-             const float* levels, const float* mp, int n_mids, const int32_t* table,
-             int64_t start, int64_t numel, int64_t period, bool four, uint32_t key,
-             const Hyper& h, const Levels4* l4, const float* fac, int threads) {
-  auto* pt = static_cast<typename Elem<PT>::T*>(p);
-  const auto* gt = static_cast<const typename Elem<GT>::T*>(g);
+void columns(const Segment& sg, int threads) {
+  auto* pt = static_cast<typename Elem<PT>::T*>(sg.p);
+  const auto* gt = static_cast<const typename Elem<GT>::T*>(sg.g);
+  const int64_t start = sg.start, numel = sg.numel, period = -sg.block;
+  const bool four = sg.four;
+  const Hyper& h = sg.h;
+  const float* fac = sg.fac;
+  float* absmax = sg.absmax;
   const int64_t nb = std::min(numel, period);
   const int64_t rows = (numel + period - 1) / period;
   // at most 64 chunks and 16 MiB of partial sums and maxima (12 bytes per column and chunk)
@@ -725,7 +727,7 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
       float* mx = maxes.data() + c * nb;
       for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
         const int64_t lo = r * period, hi = std::min(lo + period, numel);
-        decode(codes, lo, hi, four, levels, l4, buf.data());
+        decode(sg.codes, lo, hi, four, sg.levels, sg.l4, buf.data());
         if (h.w < 0.5f)
           column_stats<GT, true>(buf.data(), gt + lo, absmax, s, mx, hi - lo, h.w);
         else
@@ -742,8 +744,8 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
       mx = std::max(mx, maxes[c * nb + k]);
     }
     const int64_t count = numel / period + (k < numel % period ? 1 : 0);
-    const float vk = ema_mean_sq(v[k], total, static_cast<double>(count), h.beta2, h.a2);
-    v[k] = vk;
+    const float vk = ema_mean_sq(sg.v[k], total, static_cast<double>(count), h.beta2, h.a2);
+    sg.v[k] = vk;
     const float sv = std::sqrt(vk);
     denom[k] = fac ? sv : sv / h.bc2 + h.eps;
     amax[k] = mx;
@@ -757,7 +759,7 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
     for (int64_t c = 0; c < chunks; ++c) {
       for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
         const int64_t lo = r * period, hi = std::min(lo + period, numel), w = hi - lo;
-        decode(codes, lo, hi, four, levels, l4, buf.data());
+        decode(sg.codes, lo, hi, four, sg.levels, sg.l4, buf.data());
         const float* d = denom.data();
         if (fac) {
           // the factor is per tensor row: a piece that starts mid-row (start % period != 0) has
@@ -779,9 +781,10 @@ void columns(void* p, const void* g, uint8_t* codes, float* absmax, float* v,
         else
           column_move<PT, GT, false, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h);
         const int64_t next = std::min(period, numel - hi);  // the next row's elements
-        requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, mp, n_mids, table,
-                               start + lo, key, idx.data(), Prefetch(pt + hi, gt + hi, next), l4);
-        encode(codes, lo, hi, four, idx.data());
+        requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, sg.mp, sg.n_mids,
+                               sg.table, start + lo, sg.key, idx.data(),
+                               Prefetch(pt + hi, gt + hi, next), sg.l4);
+        encode(sg.codes, lo, hi, four, idx.data());
       }
     }
   }
@@ -828,12 +831,10 @@ enum Meta : int {
 constexpr int kHypCols = 8;
 constexpr int64_t kDenseTile = 16384;
 
-using BlockFn = void (*)(const Blocks&, int64_t, int64_t, float*, float*, int32_t*);
+using BlockFn = void (*)(const Segment&, int64_t, int64_t, float*, float*, int32_t*);
 using DenseFn = void (*)(void*, const void*, uint16_t*, uint16_t*, int64_t, int64_t, const Hyper&,
                          int64_t, uint32_t);
-using ColumnFn = void (*)(void*, const void*, uint8_t*, float*, float*, const float*,
-                          const float*, int, const int32_t*, int64_t, int64_t, int64_t, bool,
-                          uint32_t, const Hyper&, const Levels4*, const float*, int);
+using ColumnFn = void (*)(const Segment&, int);
 
 struct Kernels {
   BlockFn block;
@@ -866,16 +867,12 @@ bool pick(int pt, int gt, Kernels& k) {
 }
 
 // What a segment needs besides its row: the kernel for its dtypes, the padded midpoints (8 bits)
-// or its codebook's Levels4 (4 bits).
+// and the row read into a Segment (with its codebook's Levels4 at 4 bits).
 struct Prep {
   const int64_t* m;
-  Hyper h;
   Kernels fn;
-  bool columns;
-  int n_mids;
   std::vector<float> mp;
-  const Levels4* l4;
-  Blocks b;  // row-block segments
+  Segment b;
 };
 
 #ifdef __AVX512F__
@@ -1102,23 +1099,24 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
     Prep& r = prep[s];
     const int64_t* m = meta + static_cast<int64_t>(s) * kMetaCols;
     r.m = m;
-    std::memcpy(&r.h, hyp + static_cast<int64_t>(s) * kHypCols, sizeof(Hyper));
+    Hyper h;
+    std::memcpy(&h, hyp + static_cast<int64_t>(s) * kHypCols, sizeof(Hyper));
     const int64_t numel = m[kNumel], block = m[kBlock], bits = m[kBits];
     if (!pick(static_cast<int>(m[kPDtype]), static_cast<int>(m[kGDtype]), r.fn) ||
         block == 0 || numel < 0 || (block != 1 && bits != 4 && bits != 8))
       return -(s + 1);
     const bool four = bits == 4;
-    r.l4 = nullptr;
-    r.columns = block < 0;
+    const float* levels = reinterpret_cast<const float*>(m[kLevels]);
+    const Levels4* l4 = nullptr;
+    int n_mids = 0;
     int64_t items = 0;
     bool serial = false;
     if (numel == 0) {
     } else if (block == 1) {
       items = (numel + kDenseTile - 1) / kDenseTile;
     } else {
-      r.n_mids = static_cast<int>(m[kNLevels]) - 1;
-      if (r.n_mids + 1 != (four ? 16 : 256)) return -(s + 1);
-      const float* levels = reinterpret_cast<const float*>(m[kLevels]);
+      n_mids = static_cast<int>(m[kNLevels]) - 1;
+      if (n_mids + 1 != (four ? 16 : 256)) return -(s + 1);
       if (four) {  // stochastic rounding works on the levels; midpoints are for 8 bits
         auto book = std::find_if(books.begin(), books.end(),
                                  [&](const auto& b) { return b.first == levels; });
@@ -1127,27 +1125,28 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
           book = books.end() - 1;
           levels4(levels, *book->second);
         }
-        r.l4 = book->second.get();
+        l4 = book->second.get();
       } else {
         if (!luts[s]) return -(s + 1);
         const float* mids = reinterpret_cast<const float*>(m[kMids]);
-        r.mp.resize(r.n_mids + 2);
+        r.mp.resize(n_mids + 2);
         r.mp[0] = -INFINITY;
-        std::copy(mids, mids + r.n_mids, r.mp.begin() + 1);
-        r.mp[r.n_mids + 1] = INFINITY;
+        std::copy(mids, mids + n_mids, r.mp.begin() + 1);
+        r.mp[n_mids + 1] = INFINITY;
       }
-      if (r.columns) continue;  // after the other segments, each with all the threads
-      r.b = Blocks{reinterpret_cast<void*>(m[kP]), reinterpret_cast<const void*>(m[kG]),
-                   reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
-                   reinterpret_cast<float*>(m[kV]), levels, r.mp.data(), r.n_mids,
-                   reinterpret_cast<const int32_t*>(luts[s]), m[kStart], numel, block, four,
-                   v_done && v_done[s], static_cast<uint32_t>(m[kStepKey]), r.h, r.l4,
-                   reinterpret_cast<const float*>(m[kFactor])};
-      items = (m[kStart] + numel - 1) / block - m[kStart] / block + 1;
-      // at 4 bits two blocks share a byte when a boundary falls on an odd element
-      serial = four && ((block & 1) || (m[kStart] & 1));
-      width = std::max(width, std::min(block, numel));
+      if (block > 0) {  // column segments run after the others, each with all the threads
+        items = (m[kStart] + numel - 1) / block - m[kStart] / block + 1;
+        // at 4 bits two blocks share a byte when a boundary falls on an odd element
+        serial = four && ((block & 1) || (m[kStart] & 1));
+        width = std::max(width, std::min(block, numel));
+      }
     }
+    r.b = Segment{reinterpret_cast<void*>(m[kP]), reinterpret_cast<const void*>(m[kG]),
+                  reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
+                  reinterpret_cast<float*>(m[kV]), levels, r.mp.data(), n_mids,
+                  reinterpret_cast<const int32_t*>(luts[s]), m[kStart], numel, block, four,
+                  v_done && v_done[s], static_cast<uint32_t>(m[kStepKey]), h, l4,
+                  reinterpret_cast<const float*>(m[kFactor])};
     const int64_t step = serial ? items : (items + team - 1) / team;
     for (int64_t j = 0; j < items; j += step) runs.push_back({s, j, std::min(items, j + step)});
   }
@@ -1166,7 +1165,7 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
           const int64_t lo = j * kDenseTile, hi = std::min(lo + kDenseTile, m[kNumel]);
           r.fn.dense(reinterpret_cast<void*>(m[kP]), reinterpret_cast<const void*>(m[kG]),
                      reinterpret_cast<uint16_t*>(m[kExpAvg]),
-                     reinterpret_cast<uint16_t*>(m[kExpAvgSq]), lo, hi, r.h, m[kStart],
+                     reinterpret_cast<uint16_t*>(m[kExpAvgSq]), lo, hi, r.b.h, m[kStart],
                      static_cast<uint32_t>(m[kStepKey]));
         }
       } else {
@@ -1174,18 +1173,8 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
       }
     }
   }
-  for (int s = 0; s < n_seg; ++s) {
-    const Prep& r = prep[s];
-    if (!r.columns || r.m[kNumel] == 0) continue;
-    const int64_t* m = r.m;
-    r.fn.columns(reinterpret_cast<void*>(m[kP]), reinterpret_cast<const void*>(m[kG]),
-                 reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
-                 reinterpret_cast<float*>(m[kV]), reinterpret_cast<const float*>(m[kLevels]),
-                 r.mp.data(), r.n_mids, reinterpret_cast<const int32_t*>(luts[s]), m[kStart],
-                 m[kNumel], -m[kBlock], m[kBits] == 4, static_cast<uint32_t>(m[kStepKey]), r.h,
-                 r.l4,
-                 reinterpret_cast<const float*>(m[kFactor]), threads);
-  }
+  for (int s = 0; s < n_seg; ++s)
+    if (prep[s].b.block < 0 && prep[s].b.numel > 0) prep[s].fn.columns(prep[s].b, threads);
   return 0;
 }
 
