@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from step_speed import make_params, save  # noqa: E402
+from step_speed import Feed, make_params, make_problem, save  # noqa: E402
 
 from gefen_dist import Gefen, native_cpu  # noqa: E402
 
@@ -64,11 +64,13 @@ def identical(libs, which: str, bits: int) -> bool:
 
 
 def timed(libs, which: str, bits: int, rounds: int) -> list[list[float]]:
-    params = make_params(which)
+    params, grads = make_problem(which)
+    feed = Feed(params, grads)
     opt = Gefen(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, bits=bits)
     native_cpu._lib = libs[0]
     for _ in range(2):
         opt.step()
+        feed()
 
     def on(lib):
         def step():
@@ -77,19 +79,23 @@ def timed(libs, which: str, bits: int, rounds: int) -> list[list[float]]:
 
         return step
 
-    return alternate([on(lib) for lib in libs], which, rounds)
+    return alternate([on(lib) for lib in libs], which, rounds, [feed] * len(libs))
 
 
-def alternate(steppers: list, which: str, rounds: int) -> list[list[float]]:
-    """Each stepper's step time (ms) per round, the rounds alternating between them."""
+def alternate(steppers: list, which: str, rounds: int, feeds: list) -> list[list[float]]:
+    """Each stepper's step time (ms) per round, the rounds alternating between them; before each
+    step, untimed, its feed (step_speed.Feed) puts the next gradients in place."""
     steps = 20 if which == "gpt" else 2
     out: list[list[float]] = [[] for _ in steppers]
     for _ in range(rounds):
         for i, step in enumerate(steppers):
-            t0 = time.perf_counter()
+            total = 0.0
             for _ in range(steps):
+                feeds[i]()
+                t0 = time.perf_counter()
                 step()
-            out[i].append(1e3 * (time.perf_counter() - t0) / steps)
+                total += time.perf_counter() - t0
+            out[i].append(1e3 * total / steps)
     return out
 
 

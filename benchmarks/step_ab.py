@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kernel_ab import alternate, arguments, report, result_row  # noqa: E402
-from step_speed import make_params  # noqa: E402
+from step_speed import Feed, make_problem  # noqa: E402
 
 import gefen_dist  # noqa: E402
 
@@ -56,24 +56,25 @@ def load_base(rev: str, tmp: Path):
 
 
 def pair(pkgs, which: str, bits: int):
-    """Each package's optimizer over its own copy of the same parameters and gradients."""
+    """Each package's optimizer over its own copy of the same parameters and gradients, and
+    its feed of the same gradient sequence."""
     out = []
     for pkg in pkgs:
-        params = make_params(which)
+        params, grads = make_problem(which)
         opt = pkg.Gefen(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, bits=bits)
-        out.append((params, opt))
+        out.append((params, opt, Feed(params, grads)))
     return out
 
 
 def identical(pkgs, which: str, bits: int) -> bool:
     runs = pair(pkgs, which, bits)
     for t in range(20):
-        for params, opt in runs:
+        for params, opt, _ in runs:
             scale = torch.Generator().manual_seed(t)
             for p in params:
                 p.grad = p.grad * (0.5 + torch.rand(p.shape, generator=scale))
             opt.step()
-    (pa, oa), (pb, ob) = runs
+    (pa, oa, _), (pb, ob, _) = runs
     return all(
         torch.equal(a, b)
         and oa.state[a].keys() == ob.state[b].keys()
@@ -84,10 +85,11 @@ def identical(pkgs, which: str, bits: int) -> bool:
 
 def timed(pkgs, which: str, bits: int, rounds: int) -> list[list[float]]:
     runs = pair(pkgs, which, bits)
-    for _, opt in runs:
+    for _, opt, feed in runs:
         for _ in range(2):
             opt.step()
-    return alternate([opt.step for _, opt in runs], which, rounds)
+            feed()
+    return alternate([opt.step for _, opt, _ in runs], which, rounds, [f for _, _, f in runs])
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kernel_ab import alternate, arguments  # noqa: E402
-from step_speed import make_params, save  # noqa: E402
+from step_speed import Feed, make_problem, save  # noqa: E402
 
 from gefen_dist import Gefen  # noqa: E402
 
@@ -36,22 +36,25 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)  # step_speed.py's
 PARTS = ("gefen_step", "factor_pass", "update", "python", "adamw_fused", "p_plus_g")
 
 
-def copies(which: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A second set of the same parameters and gradients, for fused AdamW and ``p += g``."""
-    params = make_params(which)
+def copies(which: str) -> tuple[list[torch.Tensor], list[torch.Tensor], Feed, Feed]:
+    """A second set of the same parameters, for fused AdamW and ``p += g``, and for each set
+    its feed of the same gradient sequence."""
+    params, grads = make_problem(which)
     out = [torch.nn.Parameter(p.detach().clone()) for p in params]
     for a, p in zip(out, params, strict=True):
         a.grad = p.grad.clone()
-    return params, out
+    return params, out, Feed(params, grads), Feed(out, grads)
 
 
 def parts(which: str, bits: int, rounds: int) -> dict:
-    params, other = copies(which)
+    params, other, feed, feed_other = copies(which)
     opt = Gefen(params, bits=bits, **HYPER)
     adamw = torch.optim.AdamW(other, fused=True, **HYPER)
     for _ in range(2):
         opt.step()
         adamw.step()
+        feed()
+        feed_other()
     plan = opt._plan
     if plan is None:
         sys.exit(f"{which}, {bits} bits: the step did not run on the kept C++ tables")
@@ -80,7 +83,8 @@ def parts(which: str, bits: int, rounds: int) -> dict:
         adamw_fused=adamw.step,
         p_plus_g=p_plus_g,
     )
-    times = dict(zip(PARTS, alternate([run[k] for k in PARTS], which, rounds), strict=True))
+    feeds = [feed_other if k in ("adamw_fused", "p_plus_g") else feed for k in PARTS]
+    times = dict(zip(PARTS, alternate([run[k] for k in PARTS], which, rounds, feeds), strict=True))
     med = {k: statistics.median(v) for k, v in times.items()}
     row = dict(
         set=which,

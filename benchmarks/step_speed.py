@@ -7,10 +7,19 @@ memory the step allocates beyond the state: the process's peak RSS is reset
 read back (VmHWM) minus the RSS before them.
 
 Parameter sets:
-- ``gpt``: the demo GPT's parameters (4 layers, d=256, 3.24M) with the gradient of one real
-  batch of the stdlib corpus, so Gefen's partition is the one training would get.
+- ``gpt``: the demo GPT's parameters (4 layers, d=256, 3.24M) with the gradients of real
+  batches of the stdlib corpus, so Gefen's partition is the one training would get.
 - ``100m``: 24 matrices of 2048 x 2048 (100.7M), gradients N(0, 1) times a per-row scale
-  (log-normal), the structure Gefen's partition finds in linear layers (one block per row).
+  (log-normal, the same at every step), the structure Gefen's partition finds in linear layers
+  (one block per row).
+
+Every step sees the next of GRADIENTS gradient sets, copied into ``.grad`` in place before the
+step and outside its time, the same sequence for every optimizer. Why not one gradient: under a
+fixed gradient m converges and every m / absmax settles next to a codebook level, which training
+never does. The 8-bit kernel used to find most codes with one table load and walk one by one to
+the rest, about a tenth of the elements in training but almost none on one fixed gradient: the
+demo GPT's 8-bit step took 3.4 ms on one gradient and 10.2 ms on three in turn (README, "Step
+time").
 
     python benchmarks/step_speed.py [--sets gpt,100m] [--steps 20] [--threads 2] [--rounds 3]
         [--json out.json]
@@ -47,7 +56,18 @@ OPTIMIZERS = {
 }
 
 
+GRADIENTS = 3
+
+
 def make_params(which: str) -> list[torch.nn.Parameter]:
+    """The set's parameters, each ``.grad`` its first gradient."""
+    return make_problem(which, 1)[0]
+
+
+def make_problem(
+    which: str, sets: int = GRADIENTS
+) -> tuple[list[torch.nn.Parameter], list[list[torch.Tensor]]]:
+    """The set's parameters and ``sets`` gradients for them (``.grad`` a copy of the first)."""
     torch.manual_seed(0)
     if which == "gpt":
         from gefen_dist.corpus import get_batch, load_corpus
@@ -55,17 +75,35 @@ def make_params(which: str) -> list[torch.nn.Parameter]:
 
         model = GPT(GPTConfig())
         train, _ = load_corpus(2**20)
-        x, y = get_batch(train, 8, 128, torch.Generator().manual_seed(0))
-        model(x, y)[1].backward()
-        return list(model.parameters())
-    if which == "100m":
-        params = []
-        for _ in range(24):
-            p = torch.nn.Parameter(torch.randn(2048, 2048) * 0.02)
-            p.grad = torch.randn(2048, 2048) * torch.randn(2048, 1).exp()
-            params.append(p)
-        return params
-    raise ValueError(f"unknown parameter set {which!r}")
+        params, grads = list(model.parameters()), []
+        batches = torch.Generator().manual_seed(0)
+        for _ in range(sets):
+            model.zero_grad(set_to_none=True)
+            x, y = get_batch(train, 8, 128, batches)
+            model(x, y)[1].backward()
+            grads.append([p.grad.clone() for p in params])
+    elif which == "100m":
+        params = [torch.nn.Parameter(torch.randn(2048, 2048) * 0.02) for _ in range(24)]
+        rows = [torch.randn(2048, 1).exp() for _ in params]
+        grads = [[torch.randn(2048, 2048) * r for r in rows] for _ in range(sets)]
+    else:
+        raise ValueError(f"unknown parameter set {which!r}")
+    for p, g in zip(params, grads[0], strict=True):
+        p.grad = g.clone()
+    return params, grads
+
+
+class Feed:
+    """Copies the next gradient set into the parameters' ``.grad``, in place (the addresses
+    an optimizer may have kept stay valid), before each step and outside its time."""
+
+    def __init__(self, params: list[torch.nn.Parameter], grads: list[list[torch.Tensor]]):
+        self.params, self.grads, self.t = params, grads, 0
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        self.t += 1
+        torch._foreach_copy_([p.grad for p in self.params], self.grads[self.t % len(self.grads)])
 
 
 def build(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -89,7 +127,8 @@ def _rss(field: str) -> int:
 
 def child(name: str, which: str, steps: int, threads: int) -> dict:
     torch.set_num_threads(threads)
-    params = make_params(which)
+    params, grads = make_problem(which)
+    feed = Feed(params, grads)
     numel = sum(p.numel() for p in params)
     try:
         opt = build(name, params)
@@ -97,11 +136,13 @@ def child(name: str, which: str, steps: int, threads: int) -> dict:
         return dict(optimizer=name, set=which, skipped=f"{type(e).__name__}: {e}")
     for _ in range(3):  # state allocation, codebook, numba/torch.compile warm-up
         opt.step()
+        feed()
     before = _rss("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     times = []
     for _ in range(steps):
+        feed()
         t0 = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t0)
