@@ -31,7 +31,6 @@ namespace {
 
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
-constexpr int kLutCells = 8192;
 
 struct Hyper {
   float beta1, w, beta2, a2, decay, neg_step, bc2, eps;
@@ -115,21 +114,6 @@ inline uint32_t mix32(uint32_t x) {  // "lowbias32", as codes._mix32
   return x ^ (x >> 16);
 }
 
-// The grid cell of x in [-1, 1] (codes.code_table's grid). Rounding may put an x at a cell's edge
-// into its neighbour: the table treats a midpoint next to a cell as in it, for that reason.
-inline int cell(float x) {
-  const int c = static_cast<int>((x + 1.0f) * static_cast<float>(kLutCells / 2));
-  return std::min(std::max(c, 0), kLutCells - 1);
-}
-
-// Index of the first midpoint >= x: the nearest level, ties to the lower one. ``mp`` is the
-// midpoints with -inf in front and +inf behind (mp[k + 1] = mids[k]); walks from any start k.
-inline int nearest_exact(float x, const float* mp, int n_mids, int k) {
-  while (k < n_mids && mp[k + 1] < x) ++k;
-  while (k > 0 && mp[k] >= x) --k;
-  return k;
-}
-
 #ifdef __AVX512F__
 // 4 bits with AVX-512: the 16 levels fill one register, so a level is one permute, and the
 // interior-level count (the number of lv[1..14] <= x) takes two rounds of three independent
@@ -207,6 +191,60 @@ void levels4(const float* levels, Levels4& l) {
     reach = std::max(reach, inside);
   }
   l.reach = reach <= kMaxReach && l.grid[0] == 0 ? reach : -1;
+}
+
+// 8 bits: the nearest level (the first midpoint >= x, ties to the lower level), from a grid of
+// kCells8 equal cells over [-1, 1] built once per step for each codebook. ``pair`` holds, per
+// cell, the midpoints below the cell's left edge widened by kGridSlack (``base``, low 32 bits)
+// and the bits of mids[base] (high 32), and ``reach`` is the most midpoints a widened cell
+// holds. For x in [-1, 1] the computed cell holds x or lies within 2^-24 of it (see levels4), so
+// every midpoint before base is below x and every one past the next ``reach`` above it: the
+// code is base plus how many of those ``reach`` are below x. At reach <= 1, one 8-byte load per
+// element. A learned codebook's levels are the means of disjoint runs of its histogram's bins
+// (codebook.py), so its midpoints lie at least a bin (2 / 4096) apart, two cells here: reach is
+// 1. Other codebooks (a loaded one, tests' crowded ones) take ``reach`` compares against
+// ``mids``, padded with reach + 1 infinities. A NaN x reads cell 0 and compares false: base[0],
+// 0 for levels from -1 up, as the walk this replaced gave.
+//
+// Why not codes.code_table's answer for most cells and a walk from its start for the rest (the
+// numba backend's way): in training about a tenth of the elements fall in a cell with a
+// midpoint, and walking those one by one, on branches that mispredict, made the 8-bit step 2.6x
+// (demo GPT) and 3.5x (100M set) as slow as this (results/step_speed/step_ab_grid8.json).
+constexpr int kCells8 = 8192;
+struct Levels8 {
+  std::vector<int64_t> pair;
+  std::vector<float> mids;
+  int reach;
+};
+
+void levels8(const float* mids, int n_mids, Levels8& l) {
+  l.pair.resize(kCells8);
+  l.reach = 0;
+  const double width = 2.0 / kCells8;
+  std::vector<int32_t> base(kCells8);
+  int b = 0;
+  for (int c = 0; c < kCells8; ++c) {
+    const double lo = -1.0 + c * width - kGridSlack, hi = -1.0 + (c + 1) * width + kGridSlack;
+    while (b < n_mids && static_cast<double>(mids[b]) < lo) ++b;
+    int inside = 0;
+    while (b + inside < n_mids && static_cast<double>(mids[b + inside]) <= hi) ++inside;
+    base[c] = b;
+    l.reach = std::max(l.reach, inside);
+  }
+  l.mids.assign(mids, mids + n_mids);
+  l.mids.resize(n_mids + l.reach + 1, INFINITY);
+  for (int c = 0; c < kCells8; ++c) {
+    uint32_t bits;
+    std::memcpy(&bits, &l.mids[base[c]], 4);
+    l.pair[c] = static_cast<int64_t>(static_cast<uint64_t>(bits) << 32 |
+                                     static_cast<uint32_t>(base[c]));
+  }
+}
+
+// The cell of x in [-1, 1] (NaN: 0)
+inline int cell8(float x) {
+  const int c = static_cast<int>((x + 1.0f) * static_cast<float>(kCells8 / 2));
+  return std::min(std::max(c, 0), kCells8 - 1);
 }
 
 #ifdef __AVX2__
@@ -390,17 +428,13 @@ inline int64_t stochastic16(const float* __restrict buf, const float* __restrict
 // codes.uniforms(step, index) (``key`` = codes.step_key(step)); the two neighbouring levels
 // come from in-register permutes with AVX2, else (and for the tail) from select chains over
 // the 16 sorted levels, which vectorise where a gather would not pay. 8 bits: the nearest
-// level; ``table`` (codes.code_table) gives, per cell of a uniform grid over [-1, 1], the
-// answer for any x in the cell when no midpoint lies in or next to it, else -1 - (the
-// midpoints below its left edge): one load for most elements, an exact walk from
-// there for the few near a midpoint. While it computes, it prefetches ``next`` one line of each
+// level, from ``l8`` (Levels8). While it computes, it prefetches ``next`` one line of each
 // stream per 16 elements.
 template <bool kPer>
 inline void requantize_range(const float* __restrict buf, const float* __restrict scale,
-                             float scale_one, int64_t n, bool four, const float* mp, int n_mids,
-                             const int32_t* table, int64_t first,
-                             uint32_t key, int32_t* __restrict idx, const Prefetch& next,
-                             const Levels4* l4) {
+                             float scale_one, int64_t n, bool four, const Levels8* l8,
+                             int64_t first, uint32_t key, int32_t* __restrict idx,
+                             const Prefetch& next, const Levels4* l4) {
   if (four) {
     const float* lv = l4->lv;
     int64_t i0 = 0;
@@ -468,22 +502,51 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
     }
     return;
   }
-  int near = 0;
-  for (int64_t c0 = 0; c0 < n; c0 += 64) {
-    for (int64_t line = c0 * 4; line < c0 * 4 + 256; line += 64) next.line(line);
-    const int64_t e = std::min(n, c0 + 64);
-#pragma omp simd
-    for (int64_t i = c0; i < e; ++i) idx[i] = cell(buf[i] / (kPer ? scale[i] : scale_one));
-    // the table loads (GCC gathers them) in a loop of their own: faster than in the one above
-    for (int64_t i = c0; i < e; ++i) {
-      idx[i] = table[idx[i]];
-      near += idx[i] < 0;
+  const int64_t* __restrict pair = l8->pair.data();
+  const float* __restrict mids = l8->mids.data();
+  int64_t i0 = 0;
+#ifdef __AVX512F__
+  if (l8->reach <= 1) {  // two 8-lane gathers of the pairs: half the loads of base, then mids
+    const __m512 one_f = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(kCells8 / 2);
+    const __m512i last = _mm512_set1_epi32(kCells8 - 1), zero = _mm512_setzero_si512();
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i low = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                          30);
+    const __m512i high = _mm512_add_epi32(low, one);
+    const auto* table = reinterpret_cast<const long long*>(pair);
+    for (; i0 + 16 <= n; i0 += 16) {
+      next.line(i0 * 4);
+      const __m512 d = kPer ? _mm512_loadu_ps(scale + i0) : _mm512_set1_ps(scale_one);
+      const __m512 x = _mm512_div_ps(_mm512_loadu_ps(buf + i0), d);
+      const __m512i c = _mm512_min_epi32(
+          _mm512_max_epi32(_mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(x, one_f), half)),
+                           zero),
+          last);
+      const __m512i p0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(c), table, 8);
+      const __m512i p1 = _mm512_i32gather_epi64(_mm512_extracti32x8_epi32(c, 1), table, 8);
+      const __m512i base = _mm512_permutex2var_epi32(p0, low, p1);
+      const __m512 above = _mm512_castsi512_ps(_mm512_permutex2var_epi32(p0, high, p1));
+      const __mmask16 up = _mm512_cmp_ps_mask(above, x, _CMP_LT_OQ);
+      _mm512_storeu_si512(idx + i0, _mm512_mask_add_epi32(base, up, base, one));
     }
   }
-  for (int64_t i = 0; near > 0 && i < n; ++i) {
-    if (idx[i] >= 0) continue;
-    idx[i] = nearest_exact(buf[i] / (kPer ? scale[i] : scale_one), mp, n_mids, -1 - idx[i]);
-    --near;
+#endif
+  float x[64];
+  int32_t k[64];
+  for (int64_t c0 = i0; c0 < n; c0 += 64) {
+    for (int64_t line = c0 * 4; line < c0 * 4 + 256; line += 64) next.line(line);
+    const int64_t e = std::min<int64_t>(n - c0, 64);
+#pragma omp simd
+    for (int64_t i = 0; i < e; ++i) x[i] = buf[c0 + i] / (kPer ? scale[c0 + i] : scale_one);
+    // the loads (GCC gathers them) in loops of their own: faster than in the one above
+#pragma omp simd
+    for (int64_t i = 0; i < e; ++i) k[i] = static_cast<int32_t>(pair[cell8(x[i])]);
+    int32_t* __restrict out = idx + c0;
+#pragma omp simd
+    for (int64_t i = 0; i < e; ++i) out[i] = k[i];
+    for (int r = 0; r < l8->reach; ++r)
+#pragma omp simd
+      for (int64_t i = 0; i < e; ++i) out[i] += mids[k[i] + r] < x[i] ? 1 : 0;
   }
 }
 
@@ -574,9 +637,7 @@ struct Segment {
   float* absmax;
   float* v;
   const float* levels;
-  const float* mp;
-  int n_mids;
-  const int32_t* table;
+  const Levels8* l8;
   int64_t start, numel, block;
   bool four, v_done;
   uint32_t key;
@@ -642,8 +703,7 @@ void block_run(const Segment& b, int64_t j0, int64_t j1, float* buf, float* othe
     const int64_t after = b.hi(j + 2);
     const int64_t c0 = b.four ? ahead / 2 : ahead, c1 = b.four ? (after + 1) / 2 : after;
     for (int64_t c = c0; c < c1; c += 64) __builtin_prefetch(b.codes + c);
-    requantize_range<false>(buf, nullptr, scale, hi - lo, b.four, b.mp, b.n_mids, b.table,
-                            b.start + lo, b.key, idx,
+    requantize_range<false>(buf, nullptr, scale, hi - lo, b.four, b.l8, b.start + lo, b.key, idx,
                             Prefetch(static_cast<typename Elem<PT>::T*>(b.p) + ahead,
                                      static_cast<const typename Elem<GT>::T*>(b.g) + ahead,
                                      std::max<int64_t>(after - ahead, 0)),
@@ -781,9 +841,8 @@ void columns(const Segment& sg, int threads) {
         else
           column_move<PT, GT, false, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h);
         const int64_t next = std::min(period, numel - hi);  // the next row's elements
-        requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, sg.mp, sg.n_mids,
-                               sg.table, start + lo, sg.key, idx.data(),
-                               Prefetch(pt + hi, gt + hi, next), sg.l4);
+        requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, sg.l8, start + lo,
+                               sg.key, idx.data(), Prefetch(pt + hi, gt + hi, next), sg.l4);
         encode(sg.codes, lo, hi, four, idx.data());
       }
     }
@@ -866,12 +925,11 @@ bool pick(int pt, int gt, Kernels& k) {
   }
 }
 
-// What a segment needs besides its row: the kernel for its dtypes, the padded midpoints (8 bits)
-// and the row read into a Segment (with its codebook's Levels4 at 4 bits).
+// What a segment needs besides its row: the kernel for its dtypes and the row read into a
+// Segment (with its codebook's Levels4 or Levels8).
 struct Prep {
   const int64_t* m;
   Kernels fn;
-  std::vector<float> mp;
   Segment b;
 };
 
@@ -1043,8 +1101,6 @@ void cross_sums(const void* gv, int64_t start, int64_t numel, int64_t block, dou
 
 extern "C" {
 
-int gefen_cpu_lut_cells() { return kLutCells; }
-
 // The widest vector path this build compiled: 513 (AVX-512F with VBMI: the 4-bit grid count),
 // 512 (AVX-512F), 256 (AVX2) or 0 (the scalar loops GCC vectorises as the target allows). Tests
 // build each and check it against the reference.
@@ -1073,16 +1129,16 @@ void gefen_cpu_count_steps(const int64_t* addrs, int n, float* out) {
 
 // One step over a segment table: ``meta`` (n_seg x kMetaCols int64, the columns of Meta), ``hyp``
 // (n_seg x 8 fp32: beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t),
-// sqrt(1 - beta2^t), eps), ``luts`` (n_seg int64: the address of each 8-bit segment's
-// codes.code_table, or 0), ``v_done`` (n_seg flags, or null: 1 where gefen_cpu_cross_sums has
+// sqrt(1 - beta2^t), eps), ``v_done`` (n_seg flags, or null: 1 where gefen_cpu_cross_sums has
 // folded this step's g^2 into the segment's v, contiguous blocks only). Blocks and dense tiles of
 // every segment share the threads. Returns 0,
 // or -(row + 1) for a row whose dtypes, bits or block size it refuses (nothing is written then).
-int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
-                   const uint8_t* v_done, int n_seg, int threads) {
+int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done, int n_seg,
+                   int threads) {
   std::vector<Prep> prep(n_seg);
-  // one Levels4 per codebook (the 4-bit segments of a model share one), not one per segment
+  // one Levels4 or Levels8 per codebook (a model's segments share one), not one per segment
   std::vector<std::pair<const float*, std::unique_ptr<Levels4>>> books;
+  std::vector<std::pair<const float*, std::unique_ptr<Levels8>>> tables;
   // The work other than column segments, in runs of consecutive blocks (or dense tiles) of one
   // segment that the threads take in turn: as many runs to a segment as threads, except a
   // segment whose blocks share bytes, which stays one. A run starts cold (its first two blocks
@@ -1108,6 +1164,7 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
     const bool four = bits == 4;
     const float* levels = reinterpret_cast<const float*>(m[kLevels]);
     const Levels4* l4 = nullptr;
+    const Levels8* l8 = nullptr;
     int n_mids = 0;
     int64_t items = 0;
     bool serial = false;
@@ -1127,12 +1184,15 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
         }
         l4 = book->second.get();
       } else {
-        if (!luts[s]) return -(s + 1);
-        const float* mids = reinterpret_cast<const float*>(m[kMids]);
-        r.mp.resize(n_mids + 2);
-        r.mp[0] = -INFINITY;
-        std::copy(mids, mids + n_mids, r.mp.begin() + 1);
-        r.mp[n_mids + 1] = INFINITY;
+        // by the levels, as Levels4: each segment's midpoints are a tensor of their own
+        auto t = std::find_if(tables.begin(), tables.end(),
+                              [&](const auto& b) { return b.first == levels; });
+        if (t == tables.end()) {
+          tables.emplace_back(levels, std::make_unique<Levels8>());
+          t = tables.end() - 1;
+          levels8(reinterpret_cast<const float*>(m[kMids]), n_mids, *t->second);
+        }
+        l8 = t->second.get();
       }
       if (block > 0) {  // column segments run after the others, each with all the threads
         items = (m[kStart] + numel - 1) / block - m[kStart] / block + 1;
@@ -1143,8 +1203,7 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const int64_t* luts,
     }
     r.b = Segment{reinterpret_cast<void*>(m[kP]), reinterpret_cast<const void*>(m[kG]),
                   reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
-                  reinterpret_cast<float*>(m[kV]), levels, r.mp.data(), n_mids,
-                  reinterpret_cast<const int32_t*>(luts[s]), m[kStart], numel, block, four,
+                  reinterpret_cast<float*>(m[kV]), levels, l8, m[kStart], numel, block, four,
                   v_done && v_done[s], static_cast<uint32_t>(m[kStepKey]), h, l4,
                   reinterpret_cast<const float*>(m[kFactor])};
     const int64_t step = serial ? items : (items + team - 1) / team;

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from . import segment_table as table
-from .codes import code_table
 from .reference import CROSS_FLOOR, Hyper, SegmentState, local_factor
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "gefen_cpu.cpp"
@@ -81,9 +80,8 @@ def _build() -> ctypes.CDLL:
             os.replace(out, lib)  # atomic: concurrent ranks building at once all end the same
     dll = ctypes.CDLL(str(lib))
     P, I32 = ctypes.c_void_p, ctypes.c_int
-    dll.gefen_cpu_step.argtypes = [P, P, P, P, I32, I32]
+    dll.gefen_cpu_step.argtypes = [P, P, P, I32, I32]
     dll.gefen_cpu_step.restype = I32
-    dll.gefen_cpu_lut_cells.restype = I32
     dll.gefen_cpu_isa.restype = I32
     I64 = ctypes.c_int64
     F = ctypes.c_float
@@ -137,11 +135,10 @@ class StepTable:
 
     def __init__(self, work: list[tuple]) -> None:
         self.meta, self.hyp = array("q"), array("f")
-        self.luts, self.done = array("q"), array("B")
-        self.keep = []  # factors and code tables: alive while the table is
+        self.done = array("B")
+        self.keep = []  # the factors: alive while the table is
         self.index: list[int] = []  # the item of ``work`` behind each row
         hrows: dict[int, list[float]] = {}  # the optimizer passes one Hyper per group and step
-        cells = load().gefen_cpu_lut_cells() if work else 0
         for i, (p, g, st, h, levels, mids, bits, *given) in enumerate(work):
             if st.numel == 0:
                 continue
@@ -154,12 +151,9 @@ class StepTable:
                 hrow = hrows[id(h)] = table.hyper_row(h)
             self.hyp.extend(hrow)
             self.index.append(i)
-            lut = code_table(mids, cells) if st.block_size != 1 and bits == 8 else None
-            self.keep.append(lut)
-            self.luts.append(0 if lut is None else lut.data_ptr())
 
     def __len__(self) -> int:
-        return len(self.luts)
+        return len(self.done)
 
     def run(self) -> None:
         if not len(self):
@@ -167,7 +161,6 @@ class StepTable:
         rc = load().gefen_cpu_step(
             self.meta.buffer_info()[0],
             self.hyp.buffer_info()[0],
-            self.luts.buffer_info()[0],
             self.done.buffer_info()[0],
             len(self),
             torch.get_num_threads(),

@@ -11,7 +11,7 @@ import torch
 
 from gefen_dist import Gefen, Segment, state
 from gefen_dist import codebook as cb
-from gefen_dist.codes import unpack4
+from gefen_dist.codes import midpoints, unpack4
 
 torch.set_num_threads(1)
 
@@ -198,6 +198,48 @@ def test_cpp_4bit_codes_at_grid_edges(reach):
     g[::row] = 1.0
     for sign in (1.0, -1.0):
         (pr, pn), (orf, onb) = _pair(4, 0, numel, (64, row), "native", levels=levels)
+        pr.grad, pn.grad = sign * g, sign * g
+        orf.step()
+        onb.step()
+        assert torch.equal(onb.state[pn]["codes"], orf.state[pr]["codes"]), f"sign {sign}"
+
+
+def _grid8_reach(levels):
+    """The most midpoints in one of the C++ kernel's 8192 8-bit grid cells over [-1, 1], each
+    widened by 2^-23 (gefen_cpu.cpp, levels8): 1 takes its one-load path, more its compares."""
+    mids = midpoints(levels).double()
+    edges = -1.0 + torch.arange(8193, dtype=torch.float64) / 4096
+    lo, hi = edges[:-1] - 2**-23, edges[1:] + 2**-23
+    inside = torch.searchsorted(mids, hi, right=True) - torch.searchsorted(mids, lo)
+    return int(inside.max())
+
+
+@pytest.mark.parametrize("shift", [-1, 0, 1])
+def test_cpp_8bit_codes_at_grid_edges(shift):
+    """The 8-bit code from the grid (base and the next midpoint, one 8-byte load) must be the
+    reference's nearest level (ties to the lower) where rounding decides: midpoints on cell edges
+    (or, from pairs around a float step off the edge, next to them), x on and around every midpoint
+    and every eighth edge.
+    Levels in pairs around an edge E, E -+ 3 cells, put a midpoint on E exactly and the next one
+    halfway to the next pair's edge, 16 cells on."""
+    edges = -1.0 + torch.arange(8193, dtype=torch.float32) / 4096
+    at = _ulps(edges[32 * torch.arange(127) + 32], shift)
+    d = 3.0 / 4096
+    levels = torch.cat(
+        [torch.tensor([-1.0]), torch.stack([at - d, at + d], 1).flatten(), torch.tensor([1.0])]
+    )
+    mids = midpoints(levels)
+    assert shift or torch.equal(mids[1::2], at)
+    assert _grid8_reach(levels) == 1
+    targets = torch.cat([mids, edges[::8]])
+    near = torch.cat([_ulps(targets, k) for k in (-2, -1, 0, 1, 2)]).clamp(-1, 1)
+    numel, row = 64 * 128, 128
+    g = torch.rand(numel, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    g[: len(near)] = near
+    g = g[torch.randperm(numel, generator=torch.Generator().manual_seed(2))]
+    g[::row] = 1.0
+    for sign in (1.0, -1.0):
+        (pr, pn), (orf, onb) = _pair(8, 0, numel, (64, row), "native", levels=levels)
         pr.grad, pn.grad = sign * g, sign * g
         orf.step()
         onb.step()
