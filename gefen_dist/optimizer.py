@@ -256,6 +256,12 @@ class Gefen(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # The kept tables first: where they fit, every parameter with a gradient has its state
+        # (nothing pending), so with all state in place the long way would start no collective
+        # either, and its checks below (a tensor-keyed lookup each, twice) would cost the demo
+        # GPT's step more than its kernels' Python does.
+        if self._initialized and self._plan is not None and self._plan.run(self):
+            return loss
         pending = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -272,8 +278,6 @@ class Gefen(Optimizer):
         self._initialized = all(self.state.get(p) for p in known + list(self._segments))
         cuda_work: list[tuple] = []  # one call / three launches for all native segments
         cpu_work: list[tuple] = []
-        if self._plan is not None and self._plan.run(self):  # it counts the steps itself
-            return loss
         steps = [
             self.state[p]["step"]
             for g in self.param_groups

@@ -101,6 +101,27 @@ def test_a_missing_gradient_or_a_moved_parameter_takes_the_long_way_then_plans_a
     assert ran == [True, False, False, True, True]
 
 
+def test_a_replaced_state_dict_takes_the_long_way(ran):
+    """A parameter's state dict replaced in place (``opt.state[p] = ...``, same tensors' values
+    in new tensors): the kept tables point into the old tensors, so the step must go the long
+    way and update the new ones, as an optimizer that took the long way throughout does."""
+    ma, mb = _model(), _model()
+    oa = Gefen(ma.parameters(), lr=1e-2)
+    ob = Gefen(mb.parameters(), lr=1e-2)
+    for t in range(5):
+        _grads(ma, t)
+        _grads(mb, t)
+        if t == 3:
+            for m, o in ((ma, oa), (mb, ob)):
+                p = m[2].weight
+                o.state[p] = {k: v.clone() for k, v in o.state[p].items()}
+        oa.step()
+        ob._plan = None
+        ob.step()
+        _assert_same(ma, oa, mb, ob)
+    assert ran == [True, True, False, True]
+
+
 def test_a_loaded_state_is_not_stepped_on_the_old_tables(ran):
     """After load_state_dict the next step updates the loaded state, as a fresh optimizer that
     loaded the same state does; the kept tables of the replaced state are not used."""
@@ -117,8 +138,10 @@ def test_a_loaded_state_is_not_stepped_on_the_old_tables(ran):
     ma.load_state_dict(mb.state_dict())
     old = oa._plan
     oa.load_state_dict(copy.deepcopy(saved))  # as torch's, a loaded state is not copied
-    assert old is not None and oa._plan is None
-    oa._plan = old  # as if nothing had dropped it: its own checks must refuse it
+    assert old is not None and oa._plan is None and not oa._initialized
+    # as if nothing had dropped the tables or marked the state new: their own checks must
+    # refuse them
+    oa._plan, oa._initialized = old, True
     ob = Gefen(mb.parameters(), lr=1e-2)
     ob.load_state_dict(copy.deepcopy(saved))
     ran.clear()
