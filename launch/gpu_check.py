@@ -11,10 +11,17 @@ On a GPU (the lent H200: run as is, well inside 10 minutes; needs numba and ninj
    them, cut blocks, column blocks whole and in pieces), 8 and 4 bits, fp32/bf16/fp16
    parameters; and the device g0 histogram
    against ``codebook.histogram`` (must be equal).
-3. Times one step on a ~1B-parameter set (fp32, then bf16 parameters and gradients) for fused
-   AdamW, Gefen 4/8-bit and, where importable, bitsandbytes AdamW8bit and torchao AdamW8bit/4bit;
-   reports the median step, the ratio to fused AdamW and the bytes/s each step must move against
-   the device's measured copy bandwidth.
+3. Times one step on a ~1B-parameter set of 16 matrices (fp32, then bf16 parameters and
+   gradients) for fused AdamW, Gefen 4/8-bit and, where importable, bitsandbytes AdamW8bit and
+   torchao AdamW8bit/4bit; reports the median step, the ratio to fused AdamW and the bytes/s
+   each step must move against the device's measured copy bandwidth.
+4. Times fused AdamW and Gefen 4/8-bit on GPT-2 124M's 148 tensors (fp32): the same kernels
+   over many small tensors, so the per-tensor work on the host shows (on the CPU the kept
+   tables cut it; the CUDA path builds its table each step).
+
+Every timed step sees the next of three gradient sets, copied into ``.grad`` before it and
+outside its time (as benchmarks/step_speed.py: one fixed gradient lets m settle next to the
+codebook's levels, which training does not).
 
 Writes gpu_check.json and gpu_check.md to --out. ``--device cpu --scale 0.001`` runs the same
 script on the CPU (the C++ kernel, small sizes); CI runs its checks that way (``--checks-only``),
@@ -199,41 +206,65 @@ def build(name, params):
     return (ao.AdamW8bit if name.endswith("8bit") else ao.AdamW4bit)(params, **kw)
 
 
-def time_step(name, dtype, device, n_tensors, rows, cols, steps) -> dict:
+def matrices(n_tensors: int, rows: int, cols: int) -> list[tuple[int, ...]]:
+    return [(rows, cols)] * n_tensors
+
+
+def gpt2_shapes(scale: float) -> list[tuple[int, ...]]:
+    """GPT-2 124M's 148 parameter shapes at scale 1; narrower (d = 64, vocab 512) below it."""
+    d, vocab, ctx = (768, 50257, 1024) if scale >= 1 else (64, 512, 128)
+    layer = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,)]
+    layer += [(4 * d, d), (d,)]
+    return [(vocab, d), (ctx, d), *layer * 12, (d,), (d,)]
+
+
+@torch.no_grad()
+def feed(params, grads, t: int) -> None:
+    """Gradient set t mod 3 into ``.grad``, in place (an optimizer may keep the addresses)."""
+    torch._foreach_copy_([p.grad for p in params], grads[t % len(grads)])
+
+
+def time_step(name, dtype, device, shapes, steps, label) -> dict:
     torch.manual_seed(0)
-    params = []
-    for _ in range(n_tensors):
-        p = torch.nn.Parameter(torch.randn(rows, cols, device=device, dtype=dtype) * 0.02)
-        rs = torch.randn(rows, 1, device=device).exp()
-        p.grad = (torch.randn(rows, cols, device=device) * rs).to(dtype)
-        params.append(p)
-    numel = n_tensors * rows * cols
+    params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype) * 0.02) for s in shapes]
+    scales = [torch.randn(s[0], *[1] * (len(s) - 1), device=device).exp() for s in shapes]
+    grads = [
+        [(torch.randn(s, device=device) * r).to(dtype) for s, r in zip(shapes, scales, strict=True)]
+        for _ in range(3)
+    ]
+    for p, g in zip(params, grads[0], strict=True):
+        p.grad = g.clone()
+    numel = sum(p.numel() for p in params)
+    head = dict(optimizer=name, dtype=str(dtype), set=label)
     try:
         opt = build(name, params)
     except Exception as e:
-        return dict(optimizer=name, dtype=str(dtype), skipped=f"{type(e).__name__}: {e}"[:300])
+        return dict(head, skipped=f"{type(e).__name__}: {e}"[:300])
+
     try:
-        for _ in range(3):
+        for t in range(3):
+            feed(params, grads, t)
             opt.step()
         times = []
-        for _ in range(steps):
-            t = _timer(device)
+        for t in range(steps):
+            feed(params, grads, t)
+            timer = _timer(device)
             opt.step()
-            times.append(t())
+            times.append(timer())
     except Exception as e:
-        return dict(optimizer=name, dtype=str(dtype), skipped=f"{type(e).__name__}: {e}"[:300])
+        return dict(head, skipped=f"{type(e).__name__}: {e}"[:300])
     med = statistics.median(times)
     out = dict(
-        optimizer=name,
-        dtype=str(dtype),
+        head,
         params=numel,
+        tensors=len(params),
         median_ms=1e3 * med,
         bytes_per_s=_bytes(name, params[0].element_size()) * numel / med,
     )
     if isinstance(opt, Gefen):
         rep = opt.memory_report()
         out.update(backend=rep["backend"], state_bytes_per_param=rep["bytes_per_param"])
-    del opt, params
+    del opt, params, grads
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -314,10 +345,17 @@ def main() -> None:
             if time.perf_counter() - t_start > a.budget_s and not name.startswith(
                 ("adamw", "gefen")
             ):
-                timings.append(dict(optimizer=name, dtype=str(dtype), skipped="time budget"))
+                timings.append(
+                    dict(optimizer=name, dtype=str(dtype), set="matrices", skipped="time budget")
+                )
                 continue
-            timings.append(time_step(name, dtype, device, n_tensors, rows, cols, a.steps))
+            shapes = matrices(n_tensors, rows, cols)
+            timings.append(time_step(name, dtype, device, shapes, a.steps, "matrices"))
             print(json.dumps(timings[-1]), flush=True)
+    for name in names[:3]:
+        shapes = gpt2_shapes(a.scale)
+        timings.append(time_step(name, torch.float32, device, shapes, a.steps, "gpt2_124m"))
+        print(json.dumps(timings[-1]), flush=True)
     report["timings"] = timings
     report["total_s"] = time.perf_counter() - t_start
     _write(a.out, report)
@@ -342,23 +380,29 @@ def _write(out: Path, report: dict) -> None:
             "",
             f"Copy bandwidth: {bw / 1e9:.0f} GB/s",
             "",
-            "| dtype | optimizer | median step | x fused AdamW | GB/s | % of copy |",
-            "|---|---|---|---|---|---|",
+            "| set | dtype | optimizer | median step | x fused AdamW | GB/s | % of copy |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for dtype in dict.fromkeys(t["dtype"] for t in report["timings"]):
-            rows = [t for t in report["timings"] if t["dtype"] == dtype]
+        kinds = dict.fromkeys((t.get("set", "matrices"), t["dtype"]) for t in report["timings"])
+        for kind, dtype in kinds:
+            rows = [
+                t
+                for t in report["timings"]
+                if (t.get("set", "matrices"), t["dtype"]) == (kind, dtype)
+            ]
             ref = next(
                 (t for t in rows if t["optimizer"] == "adamw_fused" and "median_ms" in t), None
             )
             for t in rows:
                 if "skipped" in t:
                     lines.append(
-                        f"| {dtype} | {t['optimizer']} | skipped: {t['skipped'][:60]} | | | |"
+                        f"| {kind} | {dtype} | {t['optimizer']} | skipped: {t['skipped'][:60]} "
+                        "| | | |"
                     )
                     continue
                 ratio = f"{t['median_ms'] / ref['median_ms']:.2f}x" if ref else "-"
                 lines.append(
-                    f"| {dtype} | {t['optimizer']} {t.get('backend', '')} | "
+                    f"| {kind} | {dtype} | {t['optimizer']} {t.get('backend', '')} | "
                     f"{t['median_ms']:.2f} ms | {ratio} | {t['bytes_per_s'] / 1e9:.0f} | "
                     f"{100 * t['bytes_per_s'] / bw:.0f} % |"
                 )

@@ -28,3 +28,29 @@ def test_gpu_check_runs_its_checks_on_cpu(tmp_path):
     assert {c["backend"] for c in checks if "backend" in c} == {"native-cpu"}
     assert any(c.get("check") == "histogram" for c in checks)
     assert "checks against the reference" in (tmp_path / "gpu_check.md").read_text().lower()
+
+
+def test_gpu_check_times_both_sets_on_cpu(tmp_path):
+    """The timing half too (a lent GPU runs it once, unseen before): at a tiny scale on the CPU
+    every optimizer of the 1B-parameter set's table and GPT-2's 148 tensors get a step time."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "launch" / "gpu_check.py"),
+        "--out",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--scale",
+        "0.0001",
+        "--steps",
+        "2",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    timings = json.loads((tmp_path / "gpu_check.json").read_text())["timings"]
+    done = {(t["set"], t["dtype"], t["optimizer"]) for t in timings if "median_ms" in t}
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        assert {("matrices", dtype, n) for n in ("adamw_fused", "gefen4", "gefen8")} <= done
+    assert {("gpt2_124m", "torch.float32", n) for n in ("adamw_fused", "gefen4")} <= done
+    assert {t["tensors"] for t in timings if t["set"] == "gpt2_124m" and "tensors" in t} == {148}
+    assert "| gpt2_124m | torch.float32 | gefen4" in (tmp_path / "gpu_check.md").read_text()
