@@ -20,6 +20,13 @@ expectation. Comparing the two says how much of a task's gap that dead zone is.
 ``--second-moment shared`` is another diagnostic: Gefen without its cross factor, one v per block
 as the seeds describe (``reference``, the factor). It measures what the factor earns
 (``results/factored_v.md``).
+
+``--second-moment stale`` (through the reference update): the cross factor from the previous
+step's v_cross, this step's g^2 folded in after it. Why: the factor's own pass over g is a
+quarter of the CPU step on the 100M set (README, "Where the step's time goes"); a factor known
+before the step would let the update take this step's sums in its own read of g. This says
+what the one step of lag costs; pair it with ``--rounding stochastic`` at 4 bits (the same
+update through the reference, factor as built).
 """
 
 from __future__ import annotations
@@ -57,6 +64,23 @@ def _force_shared() -> None:
     state.cross_length = lambda block_size, tensor_numel: 0
 
 
+def _force_stale(gopt) -> None:
+    """The cross factor from v_cross as it stood before this step (the first step, with none
+    yet, from this step's), through the reference update."""
+    from gefen_dist import reference
+
+    def stale(st, h, mean_sq):
+        total = st.v_cross.mean()
+        if not total > 0:
+            return reference.cross_factor(st, h, mean_sq)
+        c = (st.v_cross / total).clamp_(min=reference.CROSS_FLOOR).sqrt_().div_(h.bc2_sqrt)
+        st.v_cross.mul_(h.beta2).add_(mean_sq, alpha=1.0 - h.beta2)
+        return c
+
+    gopt.cross_factor = stale
+    gopt.Gefen._impl = lambda self, p, g: "reference"
+
+
 def _child(
     task: str, optimizer: str, seed: int, config: str, scale: float, rounding: str, v: str
 ) -> None:
@@ -69,6 +93,8 @@ def _child(
         _force_rounding(gopt, reference, rounding)
     if v == "shared":
         _force_shared()
+    if v == "stale":
+        _force_stale(gopt)
 
     spec = tasks.scaled(tasks.TASKS[task], scale)
     names = [n for n, p in tasks.build(spec, seed).model.named_parameters() if p.requires_grad]
@@ -121,28 +147,32 @@ def main() -> None:
     ap.add_argument("--rounding", choices=("as-built", "nearest", "stochastic"), default="as-built")
     ap.add_argument(
         "--second-moment",
-        choices=("as-built", "shared"),
-        default="as-built",
-        help="shared: a diagnostic, one v per block without the cross factor (_force_shared)",
+        choices=("as-built", "shared", "stale"),
+        nargs="+",
+        default=["as-built"],
+        help="shared: a diagnostic, one v per block without the cross factor (_force_shared); "
+        "stale: the factor from the previous step's v_cross (_force_stale); several: each "
+        "config with each, paired",
     )
     args = ap.parse_args()
-    jobs = [("adamw", "", s) for s in range(args.seeds)]
-    jobs += [(args.optimizer, c, s) for c in args.configs for s in range(args.seeds)]
+    moments = args.second_moment
+    jobs = [("adamw", "", "as-built", s) for s in range(args.seeds)]
+    jobs += [
+        (args.optimizer, c, v, s) for c in args.configs for v in moments for s in range(args.seeds)
+    ]
     with ThreadPoolExecutor(args.jobs) as pool:
         futs = {
-            j: pool.submit(
-                _run, args.task, j[0], j[2], j[1], args.scale, args.rounding, args.second_moment
-            )
+            j: pool.submit(_run, args.task, j[0], j[3], j[1], args.scale, args.rounding, j[2])
             for j in jobs
         }
         res = {j: f.result() for j, f in futs.items()}
     metric = "val_loss"
     seeds = range(args.seeds)
-    base = {s: res[("adamw", "", s)]["final"][metric] for s in seeds}
-    acc = "val_acc" in res[("adamw", "", 0)]["final"]
+    base = {s: res[("adamw", "", "as-built", s)]["final"][metric] for s in seeds}
+    acc = "val_acc" in res[("adamw", "", "as-built", 0)]["final"]
     print(
         f"task {args.task}, {args.optimizer}, scale {args.scale}, seeds 0..{args.seeds - 1}, "
-        f"rounding of m: {args.rounding}, second moment: {args.second_moment}"
+        f"rounding of m: {args.rounding}, second moment: {', '.join(moments)}"
     )
     print(
         "| config | val loss (mean) | vs AdamW, paired (mean ± std) | vs the first config, paired "
@@ -151,14 +181,14 @@ def main() -> None:
     print(f"|---|---|---|---|{'---|' if acc else ''}---|")
     print(f"| AdamW | {statistics.mean(base.values()):.4f} | | |{' |' if acc else ''} 8.00 |")
     first = None
-    for c in args.configs:
-        vals = {s: res[(args.optimizer, c, s)]["final"][metric] for s in seeds}
+    for c, v in ((c, v) for c in args.configs for v in moments):
+        vals = {s: res[(args.optimizer, c, v, s)]["final"][metric] for s in seeds}
         first = first or vals
         diffs = [100 * (vals[s] / base[s] - 1) for s in seeds]
         rel = [100 * (vals[s] / first[s] - 1) for s in seeds]
-        bpp = res[(args.optimizer, c, 0)]["bytes_per_param"]
+        bpp = res[(args.optimizer, c, v, 0)]["bytes_per_param"]
         cells = [
-            c or "as chosen",
+            (c or "as chosen") + ("" if len(moments) == 1 else f", {v}"),
             f"{statistics.mean(vals.values()):.4f}",
             _mean_sd(diffs, "%"),
             "" if vals is first else _mean_sd(rel, "%", t=True),
@@ -167,8 +197,8 @@ def main() -> None:
             pts = [
                 100
                 * (
-                    res[(args.optimizer, c, s)]["final"]["val_acc"]
-                    - res[("adamw", "", s)]["final"]["val_acc"]
+                    res[(args.optimizer, c, v, s)]["final"]["val_acc"]
+                    - res[("adamw", "", "as-built", s)]["final"]["val_acc"]
                 )
                 for s in seeds
             ]
