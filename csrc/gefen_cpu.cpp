@@ -201,9 +201,10 @@ void levels4(const float* levels, Levels4& l) {
 // every midpoint before base is below x and every one past the next ``reach`` above it: the
 // code is base plus how many of those ``reach`` are below x. At reach <= 1, one 8-byte load per
 // element. A learned codebook's levels are the means of disjoint runs of its histogram's bins
-// (codebook.py), so its midpoints lie at least a bin (2 / 4096) apart, two cells here: reach is
-// 1. Other codebooks (a loaded one, tests' crowded ones) take ``reach`` compares against
-// ``mids``, padded with reach + 1 infinities. A NaN x reads cell 0 and compares false: base[0],
+// (codebook.py), so where every level has bins of its own its midpoints lie at least a bin
+// (2 / 4096) apart, two cells here: reach 1. Other codebooks (one with levels the DP spread over
+// empty bins, a loaded one, the tests' crowded ones) take ``reach`` compares against ``mids``,
+// padded with reach + 1 infinities. A NaN x reads cell 0 and compares false: base[0],
 // 0 for levels from -1 up, as the walk this replaced gave.
 //
 // Why not codes.code_table's answer for most cells and a walk from its start for the rest (the
