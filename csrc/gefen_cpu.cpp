@@ -31,7 +31,6 @@ namespace {
 
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
-
 struct Hyper {
   float beta1, w, beta2, a2, decay, neg_step, bc2, eps;
 };
@@ -539,7 +538,8 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
     const int64_t e = std::min<int64_t>(n - c0, 64);
 #pragma omp simd
     for (int64_t i = 0; i < e; ++i) x[i] = buf[c0 + i] / (kPer ? scale[c0 + i] : scale_one);
-    // the loads (GCC gathers them) in loops of their own: faster than in the one above
+    // the table loads (GCC gathers them) in loops of their own, as the code table's before
+    // (results/step_speed/kernel_ab_lut_loads.json)
 #pragma omp simd
     for (int64_t i = 0; i < e; ++i) k[i] = static_cast<int32_t>(pair[cell8(x[i])]);
     int32_t* __restrict out = idx + c0;

@@ -258,8 +258,8 @@ class Gefen(Optimizer):
                 loss = closure()
         # The kept tables first: where they fit, every parameter with a gradient has its state
         # (nothing pending), so with all state in place the long way would start no collective
-        # either, and its checks below (a tensor-keyed lookup each, twice) would cost the demo
-        # GPT's step more than its kernels' Python does.
+        # either. Its loops below look each parameter up twice by tensor (Tensor.__hash__ runs in
+        # Python), which cost the demo GPT 2 % of its step (step_ab_state_identity.json).
         if self._initialized and self._plan is not None and self._plan.run(self):
             return loss
         pending = []
