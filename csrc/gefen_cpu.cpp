@@ -926,6 +926,19 @@ bool pick(int pt, int gt, Kernels& k) {
   }
 }
 
+// The codebook's Levels4 or Levels8, built by ``build`` the first time a step meets its levels
+// and shared by every segment with them (keyed by the levels, not the midpoints: each segment's
+// midpoints are a tensor of their own)
+template <class T, class Build>
+const T* per_codebook(std::vector<std::pair<const float*, std::unique_ptr<T>>>& built,
+                      const float* levels, Build build) {
+  for (const auto& [key, value] : built)
+    if (key == levels) return value.get();
+  built.emplace_back(levels, std::make_unique<T>());
+  build(*built.back().second);
+  return built.back().second.get();
+}
+
 // What a segment needs besides its row: the kernel for its dtypes and the row read into a
 // Segment (with its codebook's Levels4 or Levels8).
 struct Prep {
@@ -1176,24 +1189,10 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done,
       n_mids = static_cast<int>(m[kNLevels]) - 1;
       if (n_mids + 1 != (four ? 16 : 256)) return -(s + 1);
       if (four) {  // stochastic rounding works on the levels; midpoints are for 8 bits
-        auto book = std::find_if(books.begin(), books.end(),
-                                 [&](const auto& b) { return b.first == levels; });
-        if (book == books.end()) {
-          books.emplace_back(levels, std::make_unique<Levels4>());
-          book = books.end() - 1;
-          levels4(levels, *book->second);
-        }
-        l4 = book->second.get();
+        l4 = per_codebook(books, levels, [&](Levels4& l) { levels4(levels, l); });
       } else {
-        // by the levels, as Levels4: each segment's midpoints are a tensor of their own
-        auto t = std::find_if(tables.begin(), tables.end(),
-                              [&](const auto& b) { return b.first == levels; });
-        if (t == tables.end()) {
-          tables.emplace_back(levels, std::make_unique<Levels8>());
-          t = tables.end() - 1;
-          levels8(reinterpret_cast<const float*>(m[kMids]), n_mids, *t->second);
-        }
-        l8 = t->second.get();
+        const auto* mids = reinterpret_cast<const float*>(m[kMids]);
+        l8 = per_codebook(tables, levels, [&](Levels8& l) { levels8(mids, n_mids, l); });
       }
       if (block > 0) {  // column segments run after the others, each with all the threads
         items = (m[kStart] + numel - 1) / block - m[kStart] / block + 1;
