@@ -189,15 +189,22 @@ def test_cpp_4bit_codes_at_grid_edges(reach):
         inner = torch.stack([_ulps(at, -1), at, _ulps(at, 1)], dim=1).flatten()[:14]
     levels = torch.cat([torch.tensor([-1.0]), inner, torch.tensor([1.0])])
     assert _grid_reach(levels) == reach
-    targets = torch.cat([inner, edges])
+    _assert_codes_where_rounding_decides(4, levels, torch.cat([inner, edges]), row=96)
+
+
+def _assert_codes_where_rounding_decides(bits, levels, targets, row):
+    """One step from zero state on 64 rows of ``row``, x on and up to two float steps around
+    each target (shuffled among uniform ones) and one |g| = 1 per block, both signs: x = g up to
+    an ulp and m = (1 - b1) g exactly in both (later steps' m may differ by an ulp: torch's
+    lerp). The C++ codes must be the reference's."""
     near = torch.cat([_ulps(targets, k) for k in (-2, -1, 0, 1, 2)]).clamp(-1, 1)
-    numel, row = 64 * 96, 96
+    numel = 64 * row
     g = torch.rand(numel, generator=torch.Generator().manual_seed(1)) * 2 - 1
     g[: len(near)] = near
     g = g[torch.randperm(numel, generator=torch.Generator().manual_seed(2))]
     g[::row] = 1.0
     for sign in (1.0, -1.0):
-        (pr, pn), (orf, onb) = _pair(4, 0, numel, (64, row), "native", levels=levels)
+        (pr, pn), (orf, onb) = _pair(bits, 0, numel, (64, row), "native", levels=levels)
         pr.grad, pn.grad = sign * g, sign * g
         orf.step()
         onb.step()
@@ -231,19 +238,7 @@ def test_cpp_8bit_codes_at_grid_edges(shift):
     mids = midpoints(levels)
     assert shift or torch.equal(mids[1::2], at)
     assert _grid8_reach(levels) == 1
-    targets = torch.cat([mids, edges[::8]])
-    near = torch.cat([_ulps(targets, k) for k in (-2, -1, 0, 1, 2)]).clamp(-1, 1)
-    numel, row = 64 * 128, 128
-    g = torch.rand(numel, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    g[: len(near)] = near
-    g = g[torch.randperm(numel, generator=torch.Generator().manual_seed(2))]
-    g[::row] = 1.0
-    for sign in (1.0, -1.0):
-        (pr, pn), (orf, onb) = _pair(8, 0, numel, (64, row), "native", levels=levels)
-        pr.grad, pn.grad = sign * g, sign * g
-        orf.step()
-        onb.step()
-        assert torch.equal(onb.state[pn]["codes"], orf.state[pr]["codes"]), f"sign {sign}"
+    _assert_codes_where_rounding_decides(8, levels, torch.cat([mids, edges[::8]]), row=128)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

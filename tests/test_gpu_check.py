@@ -8,19 +8,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_runs_its_checks_on_cpu(tmp_path):
-    cmd = [
-        sys.executable,
-        str(ROOT / "launch" / "gpu_check.py"),
-        "--out",
-        str(tmp_path),
-        "--device",
-        "cpu",
-        "--checks-only",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+def _gpu_check_on_cpu(out: Path, *args: str) -> dict:
+    """launch/gpu_check.py --device cpu with ``args``; its report, after a clean exit."""
+    cmd = [sys.executable, str(ROOT / "launch" / "gpu_check.py"), "--out", str(out)]
+    r = subprocess.run(
+        [*cmd, "--device", "cpu", *args], capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+def test_gpu_check_runs_its_checks_on_cpu(tmp_path):
+    report = _gpu_check_on_cpu(tmp_path, "--checks-only")
     checks = report["checks"]
     assert report["checks_ok"] and all(c["ok"] for c in checks)
     layouts = {c.get("layout") for c in checks}
@@ -33,21 +32,7 @@ def test_gpu_check_runs_its_checks_on_cpu(tmp_path):
 def test_gpu_check_times_both_sets_on_cpu(tmp_path):
     """The timing half too (a lent GPU runs it once, unseen before): at a tiny scale on the CPU
     every optimizer of the 1B-parameter set's table and GPT-2's 148 tensors get a step time."""
-    cmd = [
-        sys.executable,
-        str(ROOT / "launch" / "gpu_check.py"),
-        "--out",
-        str(tmp_path),
-        "--device",
-        "cpu",
-        "--scale",
-        "0.0001",
-        "--steps",
-        "2",
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    timings = json.loads((tmp_path / "gpu_check.json").read_text())["timings"]
+    timings = _gpu_check_on_cpu(tmp_path, "--scale", "0.0001", "--steps", "2")["timings"]
     done = {(t["set"], t["dtype"], t["optimizer"]) for t in timings if "median_ms" in t}
     for dtype in ("torch.float32", "torch.bfloat16"):
         assert {("matrices", dtype, n) for n in ("adamw_fused", "gefen4", "gefen8")} <= done
