@@ -257,10 +257,12 @@ class Gefen(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # The kept tables first: where they fit, every parameter with a gradient has its state
-        # (nothing pending), so with all state in place the long way would start no collective
-        # either. Its loops below look each parameter up twice by tensor (Tensor.__hash__ runs in
-        # Python), which cost the demo GPT 2 % of its step (step_ab_state_identity.json).
-        if self._initialized and self._plan is not None and self._plan.run(self):
+        # (nothing pending), so the long way would start no collective either, unless some
+        # parameter still lacks state under a process group (_any_rank_pending). Its loops below
+        # look each parameter up twice by tensor (Tensor.__hash__ runs in Python), which cost the
+        # demo GPT 2 % of its step (step_ab_state_identity.json).
+        quiet = self._initialized or self._group is None
+        if quiet and self._plan is not None and self._plan.run(self):
             return loss
         pending = []
         for group in self.param_groups:
@@ -276,6 +278,9 @@ class Gefen(Optimizer):
         # wrappers (ZeRO) may show one param group per call: registered buffers count too
         known = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._initialized = all(self.state.get(p) for p in known + list(self._segments))
+        # under a process group with some state missing: after the collective, as before
+        if not quiet and self._plan is not None and self._plan.run(self):
+            return loss
         cuda_work: list[tuple] = []  # one call / three launches for all native segments
         cpu_work: list[tuple] = []
         steps = [

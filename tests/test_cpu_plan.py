@@ -49,7 +49,7 @@ def ran(monkeypatch):
 def _assert_same(ma, oa, mb, ob):
     for a, b in zip(ma.parameters(), mb.parameters(), strict=True):
         assert torch.equal(a, b)
-        sa, sb = oa.state[a], ob.state[b]
+        sa, sb = oa.state.get(a, {}), ob.state.get(b, {})  # no entry made for a state-less one
         assert sa.keys() == sb.keys()
         for k in sa:
             assert torch.equal(sa[k], sb[k]), k
@@ -101,6 +101,23 @@ def test_a_missing_gradient_or_a_moved_parameter_takes_the_long_way_then_plans_a
     assert ran == [True, False, False, True, True]
 
 
+def test_a_parameter_that_never_gets_a_gradient_keeps_the_tables_in_use(ran):
+    """A parameter without a gradient at every step has no state, so not all state is in place;
+    without a process group the steps still run on the kept tables."""
+    ma, mb = _model(), _model()
+    oa = Gefen(ma.parameters(), lr=1e-2)
+    ob = Gefen(mb.parameters(), lr=1e-2)
+    for t in range(4):
+        _grads(ma, t)
+        _grads(mb, t)
+        ma[0].bias.grad = mb[0].bias.grad = None
+        oa.step()
+        ob._plan = None
+        ob.step()
+        _assert_same(ma, oa, mb, ob)
+    assert not oa.state.get(ma[0].bias) and ran == [True, True, True]
+
+
 def test_a_replaced_state_dict_takes_the_long_way(ran):
     """A parameter's state dict replaced in place (``opt.state[p] = ...``, same tensors' values
     in new tensors): the kept tables point into the old tensors, so the step must go the long
@@ -138,10 +155,8 @@ def test_a_loaded_state_is_not_stepped_on_the_old_tables(ran):
     ma.load_state_dict(mb.state_dict())
     old = oa._plan
     oa.load_state_dict(copy.deepcopy(saved))  # as torch's, a loaded state is not copied
-    assert old is not None and oa._plan is None and not oa._initialized
-    # as if nothing had dropped the tables or marked the state new: their own checks must
-    # refuse them
-    oa._plan, oa._initialized = old, True
+    assert old is not None and oa._plan is None
+    oa._plan = old  # as if nothing had dropped it: its own checks must refuse it
     ob = Gefen(mb.parameters(), lr=1e-2)
     ob.load_state_dict(copy.deepcopy(saved))
     ran.clear()
