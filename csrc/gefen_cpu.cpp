@@ -207,8 +207,8 @@ void levels4(const float* levels, Levels4& l) {
 // 0 for levels from -1 up, as the walk this replaced gave.
 //
 // Why not codes.code_table's answer for most cells and a walk from its start for the rest (the
-// numba backend's way): in training about a tenth of the elements fall in a cell with a
-// midpoint, and walking those one by one, on branches that mispredict, made the 8-bit step 2.9x
+// numba backend's way): in training many elements fall in a cell with a midpoint, and walking
+// those one by one, on branches that mispredict, made the 8-bit step 2.9x
 // (demo GPT) and 3.5x (100M set) as slow as this (results/step_speed/step_ab_grid8.json).
 constexpr int kCells8 = 8192;
 struct Levels8 {

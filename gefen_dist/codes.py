@@ -146,7 +146,7 @@ def code_table(mids: torch.Tensor, cells: int) -> torch.Tensor:
     midpoints below the cell's left edge minus one width). So the numba kernel finds most codes
     with one load and walks from the start it is given for the rest; the margin covers an x that
     rounding puts into a neighbouring cell. Cached per midpoints tensor. (The C++ kernel builds
-    its own grid, gefen_cpu.cpp's Levels8: in training a tenth of the elements need the walk.)"""
+    its own grid, gefen_cpu.cpp's Levels8: in training many elements need the walk.)"""
     key = (id(mids), cells)
     hit = _TABLES.get(key)
     if hit is not None and hit[0]() is mids:
