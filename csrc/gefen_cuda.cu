@@ -474,6 +474,116 @@ __global__ void __launch_bounds__(kThreads) columns_apply_kernel(
   r.codes[u] = static_cast<uint8_t>(out);
 }
 
+// The factor's pass (reference.cross_sums / cross_factor) for every factored segment of a step.
+// Contiguous blocks of B: entry j sums g^2 over the piece's elements at position j of their
+// tensor row. A thread per position and chunk of the piece's tensor rows (consecutive threads
+// on consecutive positions, so reads coalesce) writes a partial sum; cross_finish_kernel adds a
+// position's partials in chunk order, so the sums do not depend on scheduling.
+__device__ __forceinline__ int64_t cross_rows(const int64_t* m, int64_t* first) {
+  const int64_t width = m[kXBlock], start = m[kXStart];
+  *first = start / width;
+  return (start + m[kXNumel] - 1) / width - *first + 1;
+}
+
+__global__ void __launch_bounds__(kThreads) cross_rows_kernel(const int64_t* __restrict__ meta,
+                                                              const int64_t* __restrict__ prefix,
+                                                              int n_seg, double* __restrict__ part) {
+  const int s = find_segment(prefix, n_seg, blockIdx.x);
+  const int64_t* m = meta + static_cast<int64_t>(s) * kXCols;
+  const int64_t width = m[kXBlock], start = m[kXStart], numel = m[kXNumel];
+  const int64_t tiles = (width + kThreads - 1) / kThreads, local = blockIdx.x - prefix[s];
+  const int64_t chunk = local / tiles, j = (local % tiles) * kThreads + threadIdx.x;
+  if (j >= width) return;
+  int64_t first;
+  const int64_t rows = cross_rows(m, &first), chunks = m[kXChunks];
+  const int64_t per = (rows + chunks - 1) / chunks;
+  const int64_t r0 = first + chunk * per, r1 = min(r0 + per, first + rows);
+  const void* g = reinterpret_cast<const void*>(m[kXG]);
+  const int gt = static_cast<int>(m[kXGDtype]);
+  double acc = 0.0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t i = r * width + j - start;
+    if (i >= 0 && i < numel) {
+      const double x = load(g, i, gt);
+      acc += x * x;
+    }
+  }
+  part[m[kXPart] + chunk * width + j] = acc;
+}
+
+__global__ void __launch_bounds__(kThreads) cross_finish_kernel(
+    const int64_t* __restrict__ meta, const int64_t* __restrict__ prefix, int n_seg,
+    int64_t n_items, const double* __restrict__ part) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (item >= n_items) return;
+  const int s = find_segment(prefix, n_seg, item);
+  const int64_t* m = meta + static_cast<int64_t>(s) * kXCols;
+  const int64_t width = m[kXBlock], start = m[kXStart], end = start + m[kXNumel];
+  const int64_t j = item - prefix[s], chunks = m[kXChunks];
+  const double* pj = part + m[kXPart] + j;
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) total += pj[c * width];
+  // the piece's elements at position j: from the first at or after start, one per row
+  const int64_t e0 = start + ((j - start % width) % width + width) % width;
+  reinterpret_cast<double*>(m[kXSums])[j] = total;
+  reinterpret_cast<double*>(m[kXCounts])[j] =
+      e0 < end ? static_cast<double>(1 + (end - 1 - e0) / width) : 0.0;
+}
+
+// Column blocks of P: entry r sums g^2 over the piece's elements of tensor row r, a warp per row
+// (lanes stride over it, then a fixed shuffle tree).
+__global__ void __launch_bounds__(kThreads) cross_cols_kernel(const int64_t* __restrict__ meta,
+                                                              const int64_t* __restrict__ prefix,
+                                                              int n_seg, int64_t n_items) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  if (item >= n_items) return;  // uniform over a warp
+  const int lane = threadIdx.x % 32;
+  const int s = find_segment(prefix, n_seg, item);
+  const int64_t* m = meta + static_cast<int64_t>(s) * kXCols;
+  const int64_t period = -m[kXBlock], start = m[kXStart], numel = m[kXNumel];
+  const int64_t r = start / period + (item - prefix[s]);
+  const int64_t lo = max(r * period, start) - start, hi = min((r + 1) * period, start + numel) - start;
+  const void* g = reinterpret_cast<const void*>(m[kXG]);
+  const int gt = static_cast<int>(m[kXGDtype]);
+  double acc = 0.0;
+  for (int64_t i = lo + lane; i < hi; i += 32) {
+    const double x = load(g, i, gt);
+    acc += x * x;
+  }
+  acc = team_sum<32>(acc, nullptr);
+  if (lane == 0) {
+    reinterpret_cast<double*>(m[kXSums])[r] = acc;
+    reinterpret_cast<double*>(m[kXCounts])[r] = static_cast<double>(hi - lo);
+  }
+}
+
+// reference.cross_factor of a tensor held whole, a thread block per segment, as the CPU
+// kernel's gefen_cpu_cross_factor: the mean g^2 per entry folded into v_cross (an entry no
+// element reached gets 0), mean(v_cross) summed in fp64, sqrt(max(v / mean, floor)) / bc2.
+__global__ void __launch_bounds__(kThreads) cross_factor_kernel(const int64_t* __restrict__ meta,
+                                                                const float* __restrict__ hyp) {
+  __shared__ double s_sum[kThreads / 32];
+  const int64_t* m = meta + static_cast<int64_t>(blockIdx.x) * kXCols;
+  const float* h = hyp + static_cast<int64_t>(blockIdx.x) * kCrossHypCols;
+  float* out = reinterpret_cast<float*>(m[kXOut]);
+  if (out == nullptr) return;  // uniform over the thread block
+  const double* sums = reinterpret_cast<const double*>(m[kXSums]);
+  const double* counts = reinterpret_cast<const double*>(m[kXCounts]);
+  float* v = reinterpret_cast<float*>(m[kXVCross]);
+  const int64_t n = m[kXLength];
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const float mean = counts[i] > 0.0 ? static_cast<float>(sums[i] / counts[i]) : 0.0f;
+    const float vi = __fadd_rn(__fmul_rn(v[i], h[0]), __fmul_rn(h[1], mean));
+    v[i] = vi;
+    acc += vi;
+  }
+  float mean = static_cast<float>(team_sum<kThreads>(acc, s_sum) / static_cast<double>(n));
+  if (!(mean > 0.0f)) mean = 1.0f;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads)
+    out[i] = __fdiv_rn(sqrtf(fmaxf(__fdiv_rn(v[i], mean), h[3])), h[2]);
+}
+
 int64_t blocks_of(int64_t start, int64_t numel, int64_t block) {
   return numel ? (start + numel - 1) / block - start / block + 1 : 0;
 }
@@ -534,6 +644,29 @@ cudaError_t launch_columns(const int64_t* meta, const float* hyp, int64_t numel,
   if (err != cudaSuccess) return err;
   return cudaMemcpyAsync(absmax, amax_new, static_cast<size_t>(nb) * sizeof(float),
                          cudaMemcpyDeviceToDevice, stream);
+}
+
+cudaError_t launch_cross(const int64_t* meta, const float* hyp, int n_seg, int n_rows_seg,
+                         const int64_t* row_prefix, int64_t row_items, const int64_t* pos_prefix,
+                         int64_t pos_items, const int64_t* col_prefix, int64_t col_items,
+                         double* part, cudaStream_t stream) {
+  if (n_seg == 0) return cudaSuccess;
+  if (n_rows_seg < 0 || n_rows_seg > n_seg || row_items > 0x7fffffff) return cudaErrorInvalidValue;
+  if (row_items > 0) {
+    cross_rows_kernel<<<static_cast<unsigned int>(row_items), kThreads, 0, stream>>>(
+        meta, row_prefix, n_rows_seg, part);
+    cross_finish_kernel<<<static_cast<unsigned int>((pos_items + kThreads - 1) / kThreads),
+                          kThreads, 0, stream>>>(meta, pos_prefix, n_rows_seg, pos_items, part);
+  }
+  const int n_col_seg = n_seg - n_rows_seg;
+  if (col_items > 0) {
+    const int64_t warps = kThreads / 32;
+    cross_cols_kernel<<<static_cast<unsigned int>((col_items + warps - 1) / warps), kThreads, 0,
+                        stream>>>(meta + static_cast<int64_t>(n_rows_seg) * kXCols, col_prefix,
+                                  n_col_seg, col_items);
+  }
+  cross_factor_kernel<<<static_cast<unsigned int>(n_seg), kThreads, 0, stream>>>(meta, hyp);
+  return cudaGetLastError();
 }
 
 }  // namespace gefen

@@ -76,4 +76,37 @@ cudaError_t launch_columns(const int64_t* meta, const float* hyp, int64_t numel,
                            float* denom, float* amax_new, float* absmax, bool four,
                            cudaStream_t stream);
 
+// The factor's sums (reference.cross_sums) of every factored segment of a step, and the factor
+// itself (reference.cross_factor) of those held whole, in four launches rather than a chain of
+// torch ops per tensor. One row per segment (int64, the columns of Cross; pointers are device
+// addresses), rows with contiguous blocks (B > 0) first: ``n_rows_seg`` of them, then the column
+// segments (B < 0). ``hyp`` per row (fp32): beta2, 1 - beta2, sqrt(1 - beta2^t), the factor's
+// floor. Contiguous rows: partial sums per chunk of the piece's tensor rows (kXChunks of them,
+// into ``part`` from kXPart on, a thread per position), then their fixed-order reduction;
+// ``row_prefix`` counts each row's chunks x tiles of 256 positions, ``pos_prefix`` its positions.
+// Column rows: a warp per tensor row; ``col_prefix`` counts each one's rows. Sums and counts
+// (fp64, kXLength entries each) must be zero where the piece has no elements; entries are
+// written, not added to. Where kXOut is set, v_cross is folded and the factor written there.
+enum Cross : int {
+  kXG = 0,    // gradient piece (dtype kXGDtype)
+  kXGDtype,   // 0 fp32, 1 bf16, 2 fp16
+  kXStart,    // first element's index in the tensor
+  kXNumel,    // elements in the piece (> 0)
+  kXBlock,    // B (> 1) or -P (P > 1)
+  kXLength,   // v_cross entries: B positions, or the tensor's rows
+  kXSums,     // fp64 out
+  kXCounts,   // fp64 out
+  kXVCross,   // fp32 v_cross, folded in place where kXOut is set
+  kXOut,      // fp32 factor out, or 0 for a piece of a tensor spread over ranks
+  kXPart,     // contiguous rows: first fp64 of this row's partial sums in ``part``
+  kXChunks,   // contiguous rows: chunks of tensor rows (part holds kXChunks x B)
+  kXCols = 12
+};
+constexpr int kCrossHypCols = 4;
+
+cudaError_t launch_cross(const int64_t* meta, const float* hyp, int n_seg, int n_rows_seg,
+                         const int64_t* row_prefix, int64_t row_items, const int64_t* pos_prefix,
+                         int64_t pos_items, const int64_t* col_prefix, int64_t col_items,
+                         double* part, cudaStream_t stream);
+
 }  // namespace gefen

@@ -101,12 +101,46 @@ void columns(const at::Tensor& meta, const at::Tensor& hyp, int64_t numel, int64
   TORCH_CHECK(err == cudaSuccess, "gefen_cuda columns launch: ", cudaGetErrorString(err));
 }
 
+void cross(const at::Tensor& meta, const at::Tensor& hyp, int64_t n_rows_seg,
+           const at::Tensor& row_prefix, int64_t row_items, const at::Tensor& pos_prefix,
+           int64_t pos_items, const at::Tensor& col_prefix, int64_t col_items, at::Tensor& part,
+           int64_t stream) {
+  TORCH_CHECK(meta.is_cuda() && meta.scalar_type() == at::kLong && meta.dim() == 2 &&
+                  meta.size(1) == gefen::kXCols && meta.is_contiguous(),
+              "gefen_cuda cross: meta must be contiguous int64 (segments, ", gefen::kXCols,
+              ") on the GPU");
+  TORCH_CHECK(hyp.is_cuda() && hyp.scalar_type() == at::kFloat && hyp.dim() == 2 &&
+                  hyp.size(0) == meta.size(0) && hyp.size(1) == gefen::kCrossHypCols &&
+                  hyp.is_contiguous(),
+              "gefen_cuda cross: hyp must be contiguous float32 (segments, ",
+              gefen::kCrossHypCols, ") on the GPU");
+  const int64_t n_seg = meta.size(0);
+  TORCH_CHECK(n_rows_seg >= 0 && n_rows_seg <= n_seg,
+              "gefen_cuda cross: n_rows_seg must be in [0, segments]");
+  for (const at::Tensor* t : {&row_prefix, &pos_prefix, &col_prefix})
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kLong && t->dim() == 1 &&
+                    t->is_contiguous(),
+                "gefen_cuda cross: prefixes must be contiguous int64 on the GPU");
+  TORCH_CHECK(row_prefix.size(0) == n_rows_seg + 1 && pos_prefix.size(0) == n_rows_seg + 1 &&
+                  col_prefix.size(0) == n_seg - n_rows_seg + 1,
+              "gefen_cuda cross: prefixes must have one entry per segment of their kind, plus 1");
+  TORCH_CHECK(part.is_cuda() && part.scalar_type() == at::kDouble && part.is_contiguous(),
+              "gefen_cuda cross: part must be contiguous float64 on the GPU");
+  const cudaError_t err = gefen::launch_cross(
+      meta.data_ptr<int64_t>(), hyp.data_ptr<float>(), static_cast<int>(n_seg),
+      static_cast<int>(n_rows_seg), row_prefix.data_ptr<int64_t>(), row_items,
+      pos_prefix.data_ptr<int64_t>(), pos_items, col_prefix.data_ptr<int64_t>(), col_items,
+      part.data_ptr<double>(), reinterpret_cast<cudaStream_t>(stream));
+  TORCH_CHECK(err == cudaSuccess, "gefen_cuda cross launch: ", cudaGetErrorString(err));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocks", &blocks, "Blocked segments of one step (segment table)");
   m.def("dense", &dense, "B = 1 segments of one step (segment table)");
   m.def("columns", &columns, "One column segment (block size -P) of one step");
+  m.def("cross", &cross, "The factor's sums, and factors, of every factored segment of a step");
   m.def("histogram", &histogram, "Add one segment's block-normalised g0 to int64 counts");
   m.attr("META_COLS") = static_cast<int>(gefen::kMetaCols);
   m.attr("HYP_COLS") = static_cast<int>(gefen::kHypCols);

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import segment_table as table
-from .reference import Hyper, SegmentState, local_factor
+from .reference import CROSS_FLOOR, Hyper, SegmentState, cross_factor, cross_mean
 from .segments import num_blocks
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -200,12 +201,20 @@ def step(work: list[tuple]) -> None:
     tile = ext.DENSE_TILE
     columns = []
     factors = []  # this step's cross factors, alive until the launches are queued
-    for p, g, st, h, levels, mids, bits, *given in work:
+    # factors not given (a tensor held whole, called without the optimizer): one factor pass
+    own = [
+        i
+        for i, (_, g, st, h, *_rest) in enumerate(work)
+        if len(_rest) == 3 and st.numel and st.v_cross is not None and st.v_cross.numel()
+    ]
+    made = cross_table([(work[i][1], work[i][2], work[i][3], True) for i in own])
+    made = {i: f for i, (_, _, f) in zip(own, made, strict=True)}
+    for i, (p, g, st, h, levels, mids, bits, *given) in enumerate(work):
         if st.numel == 0:
             continue
         if p.device != device or g.device != device:
             raise ValueError("Gefen's CUDA step got tensors on several devices in one call")
-        f = given[0] if given else local_factor(g, st, h)
+        f = given[0] if given else made.get(i)
         if st.block_size < 0:
             columns.append((p, g, st, h, levels, mids, bits, f))
             continue
@@ -230,6 +239,159 @@ def step(work: list[tuple]) -> None:
                 ext.blocks(meta, hyp, pre, total, 256 if key == "wide" else 32, stream)
     for w in columns:
         _column_step(ext, *w)
+
+
+CROSS_ROWS = 32
+"""Tensor rows per thread in the factor's pass over contiguous blocks, with at most 256 chunks
+of rows per segment: enough threads to fill the device on a tall tensor."""
+CROSS_PART_BYTES = 32 << 20
+"""The most the factor's partial sums may take for a whole step (fp64, chunks x B per segment);
+over it, every segment's chunks shrink in proportion."""
+CROSS_META_COLS = 12  # csrc/gefen_cuda.h, Cross
+THREADS = 256  # csrc/gefen_cuda.cu, kThreads: cross_rows_kernel's tile of positions
+
+
+def _cross_rows(start: int, numel: int, width: int) -> int:
+    """Tensor rows of width ``width`` that a piece of ``numel`` elements from ``start`` touches."""
+    return (start + numel - 1) // width - start // width + 1
+
+
+@dataclass
+class CrossPlan:
+    """What ``launch_cross`` gets for one step's factored segments of one device: the table rows
+    (contiguous blocks first, then columns; ``order`` maps them to the work items), per-row
+    hyperparameters, the three prefixes, the partial sums' length, and per work item the views
+    of the step's buffers its results land in: (sums, counts, factor or None)."""
+
+    meta: list[list[int]]
+    hyps: list[list[float]]
+    order: list[int]
+    row_prefix: list[int]
+    pos_prefix: list[int]
+    col_prefix: list[int]
+    part_n: int
+    views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+def cross_plan(work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]]) -> CrossPlan:
+    """The launch plan of ``cross_table``, on whatever device the tensors are: plain numbers
+    and pointers, so the index arithmetic is checked on the CPU too (tests/test_cuda_cross.py).
+    Contiguous rows get min(256, rows / CROSS_ROWS) chunks, scaled down together to keep the
+    partial sums within CROSS_PART_BYTES."""
+    device = work[0][0].device
+    lengths = [w[1].v_cross.numel() for w in work]
+    sums_all = torch.zeros(2 * sum(lengths), dtype=torch.float64, device=device)
+    fac_all = torch.empty(sum(n for n, w in zip(lengths, work, strict=True) if w[3]), device=device)
+    views, at, f_at = [], 0, 0
+    for n, (_, _, _, whole) in zip(lengths, work, strict=True):
+        f = fac_all[f_at : f_at + n] if whole else None
+        f_at += n if whole else 0
+        views.append((sums_all[at : at + n], sums_all[at + n : at + 2 * n], f))
+        at += 2 * n
+    rows_kind = [i for i, (_, st, _, _) in enumerate(work) if st.block_size > 1 and st.numel]
+    cols_kind = [i for i, (_, st, _, _) in enumerate(work) if st.block_size < 0 and st.numel]
+    chunks = {}
+    for i in rows_kind:
+        st = work[i][1]
+        rows = _cross_rows(st.start, st.numel, st.block_size)
+        chunks[i] = max(1, min(256, -(-rows // CROSS_ROWS)))
+    part_total = sum(chunks[i] * work[i][1].block_size for i in rows_kind)
+    if 8 * part_total > CROSS_PART_BYTES:
+        for i in rows_kind:
+            chunks[i] = max(1, chunks[i] * CROSS_PART_BYTES // (8 * part_total))
+    plan = CrossPlan([], [], rows_kind + cols_kind, [0], [0], [0], 0, views)
+    for i in plan.order:
+        g, st, h, _ = work[i]
+        if g.device != device or st.v_cross.device != device:
+            raise ValueError("Gefen's factor pass got tensors on several devices in one call")
+        sums, counts, f = views[i]
+        width, c = abs(st.block_size), chunks.get(i, 0)
+        ptrs = [sums.data_ptr(), counts.data_ptr(), st.v_cross.data_ptr()]
+        row = [g.data_ptr(), DTYPES[g.dtype], st.start, st.numel, st.block_size, lengths[i], *ptrs]
+        plan.meta.append(row + [0 if f is None else f.data_ptr(), plan.part_n, c])
+        plan.hyps.append([h.beta2, 1.0 - h.beta2, h.bc2_sqrt, CROSS_FLOOR])
+        if st.block_size > 1:
+            plan.part_n += c * width
+            plan.row_prefix.append(plan.row_prefix[-1] + c * -(-width // THREADS))
+            plan.pos_prefix.append(plan.pos_prefix[-1] + width)
+        else:
+            plan.col_prefix.append(plan.col_prefix[-1] + _cross_rows(st.start, st.numel, width))
+    return plan
+
+
+def cross_table(
+    work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]],
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """``reference.cross_sums`` of every (g, segment, h, whole) of one device, and
+    ``reference.cross_factor`` of each ``whole`` one (a tensor held whole; v_cross is folded in
+    place), in four launches (``launch_cross``). Why: the torch ops of ``reference.cross_sums``
+    run per chunk of 2^16 elements, a few launches each, so on a GPU a step of a 1B-parameter
+    model would have spent its time launching them. Returns (sums, counts, factor or None) per
+    item, in order: fp64 sums and counts for the all-reduce of a spread tensor."""
+    ext = load()
+    if not work:
+        return []
+    plan = cross_plan(work)
+    _launch_cross(ext, work[0][0].device, plan)
+    for (_, st, h, whole), (sums, counts, f) in zip(work, plan.views, strict=True):
+        if whole and not st.numel:  # nothing launched for it: the reference's factor of zeros
+            f.copy_(cross_factor(st, h, cross_mean(sums, counts)))
+    return plan.views
+
+
+def factor_plan(work: list[tuple[SegmentState, Hyper, torch.Tensor, torch.Tensor]]) -> CrossPlan:
+    """``factors``' launch plan: factor rows only (no sums to compute), their sums and counts
+    moved to v_cross's device as contiguous fp64 (``views`` keeps them alive until launched)."""
+    device = work[0][0].v_cross.device
+    out = torch.empty(sum(st.v_cross.numel() for st, *_ in work), device=device)
+    plan = CrossPlan([], [], [], [0], [0], [0] * (len(work) + 1), 0, [])
+    at = 0
+    for st, h, sums, counts in work:
+        n = st.v_cross.numel()
+        if sums.numel() != n or counts.numel() != n:
+            raise ValueError(
+                f"factor sums/counts have {sums.numel()}/{counts.numel()} entries, v_cross {n}"
+            )
+        sums, counts = (x.to(device, torch.float64).contiguous() for x in (sums, counts))
+        f, at = out[at : at + n], at + n
+        plan.views.append((sums, counts, f))
+        ptrs = [sums.data_ptr(), counts.data_ptr(), st.v_cross.data_ptr(), f.data_ptr()]
+        plan.meta.append([0, 0, st.start, 0, st.block_size, n, *ptrs, 0, 0])
+        plan.hyps.append([h.beta2, 1.0 - h.beta2, h.bc2_sqrt, CROSS_FLOOR])
+    return plan
+
+
+def factors(
+    work: list[tuple[SegmentState, Hyper, torch.Tensor, torch.Tensor]],
+) -> list[torch.Tensor]:
+    """``reference.cross_factor(st, h, cross_mean(sums, counts))`` of every (segment, h, sums,
+    counts) of one device in one launch, v_cross folded in place: the factors of tensors spread
+    over ranks, from their all-reduced sums."""
+    ext = load()
+    if not work:
+        return []
+    plan = factor_plan(work)
+    _launch_cross(ext, work[0][0].v_cross.device, plan)
+    return [f for *_, f in plan.views]
+
+
+def _launch_cross(ext, device, plan: CrossPlan) -> None:
+    """``launch_cross`` of a plan, its integers in one host-to-device copy and its
+    hyperparameters in another."""
+    if not plan.meta:
+        return
+    nr = len(plan.row_prefix) - 1
+    flat = [x for r in plan.meta for x in r] + plan.row_prefix + plan.pos_prefix + plan.col_prefix
+    ints = torch.tensor(flat, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    hyp = torch.tensor(plan.hyps, dtype=torch.float32).pin_memory().to(device, non_blocking=True)
+    k = len(plan.meta) * CROSS_META_COLS
+    m_dev = ints[:k].view(len(plan.meta), CROSS_META_COLS)
+    rp, pp, cp = ints[k : k + nr + 1], ints[k + nr + 1 : k + 2 * nr + 2], ints[k + 2 * nr + 2 :]
+    part = torch.empty(plan.part_n, dtype=torch.float64, device=device)
+    items = (plan.row_prefix[-1], plan.pos_prefix[-1], plan.col_prefix[-1])
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        ext.cross(m_dev, hyp, nr, rp, items[0], pp, items[1], cp, items[2], part, stream)
 
 
 COLUMN_ROWS = 32

@@ -446,6 +446,12 @@ class Gefen(Optimizer):
             [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on_cpu]
         )
         cpu_sums = dict(zip(on_cpu, cross.results, strict=True))
+        # the same on each GPU: four launches (native_cuda.cross_table)
+        cuda_sums = {}
+        for device in {items[i][2].device for i in factored if items[i][0] == "cuda"}:
+            on = [i for i in factored if items[i][0] == "cuda" and items[i][2].device == device]
+            work = [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on]
+            cuda_sums.update(zip(on, native_cuda.cross_table(work), strict=True))
         spread = []
         for i in factored:
             impl, _, g, seg, h, _, _, _, name = items[i]
@@ -454,6 +460,11 @@ class Gefen(Optimizer):
                 sums, counts, f = cpu_sums[i]
                 if seg.block_size > 1:
                     v_done.add(i)
+                if name is None:
+                    out[i] = f
+                    continue
+            elif impl == "cuda":
+                sums, counts, f = cuda_sums[i]
                 if name is None:
                     out[i] = f
                     continue
@@ -468,13 +479,21 @@ class Gefen(Optimizer):
             spread.append((i, at, n))
         if buf is not None:
             dist.all_reduce(buf, group=self._group)
+            on_gpu = {}  # device -> [(i, seg, h, sums, counts)]: one launch per device
             for i, at, n in spread:
                 impl, seg, h = items[i][0], items[i][3], items[i][4]
                 sums, counts = (
                     x.to(seg.v_cross.device)
                     for x in (buf[at : at + n], buf[total + at : total + at + n])
                 )
-                out[i] = _factor(impl, seg, h, sums, counts)
+                if impl == "cuda":
+                    on_gpu.setdefault(seg.v_cross.device, []).append((i, seg, h, sums, counts))
+                else:
+                    out[i] = _factor(impl, seg, h, sums, counts)
+            for work in on_gpu.values():
+                made = native_cuda.factors([w[1:] for w in work])
+                for (i, *_), f in zip(work, made, strict=True):
+                    out[i] = f
         return out, v_done, cross, on_cpu
 
     def _cross_table(self) -> dict[str, tuple[int, int]]:

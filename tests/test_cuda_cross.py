@@ -1,0 +1,176 @@
+"""The CUDA factor pass's launch plans (``native_cuda.cross_plan``, ``factor_plan``) and the index
+arithmetic of its kernels, checked on the CPU: ``emulate`` runs csrc/gefen_cuda.cu's
+cross_rows_kernel, cross_finish_kernel, cross_cols_kernel and cross_factor_kernel line by line
+over a plan's own numbers (a thread block or warp at a time, its threads as a vector), and the
+sums, counts, folded v_cross and factors must equal the reference's on pieces of awkward
+layouts, several in one plan. What this cannot catch is a CUDA line that differs from its
+emulation: ``native_cuda``'s self-check and ``launch/gpu_check.py`` run the kernels themselves."""
+
+import math
+
+import pytest
+import torch
+
+from gefen_dist import native_cuda
+from gefen_dist.reference import (
+    Hyper,
+    SegmentState,
+    cross_factor,
+    cross_length,
+    cross_mean,
+    cross_sums,
+)
+
+THREADS = native_cuda.THREADS
+(G, G_DTYPE, START, NUMEL, BLOCK, LENGTH, SUMS, COUNTS, V_CROSS, OUT, PART, CHUNKS) = range(
+    native_cuda.CROSS_META_COLS
+)
+
+
+def _find(prefix: list[int], item: int) -> int:
+    """find_segment: the largest s with prefix[s] <= item"""
+    return max(s for s in range(len(prefix) - 1) if prefix[s] <= item)
+
+
+def emulate(plan: native_cuda.CrossPlan, tensors: dict[int, torch.Tensor]) -> None:
+    """launch_cross over ``plan``, reading and writing the tensors its pointers name."""
+    meta, nr = plan.meta, len(plan.row_prefix) - 1
+    part = torch.full((plan.part_n,), float("nan"), dtype=torch.float64)
+    lane = torch.arange(THREADS)
+    for block in range(plan.row_prefix[-1]):  # cross_rows_kernel
+        s = _find(plan.row_prefix, block)
+        m = meta[s]
+        width, start, numel = m[BLOCK], m[START], m[NUMEL]
+        tiles, local = -(-width // THREADS), block - plan.row_prefix[s]
+        chunk, j = local // tiles, (local % tiles) * THREADS + lane
+        j = j[j < width]
+        first = start // width
+        rows = (start + numel - 1) // width - first + 1
+        per = -(-rows // m[CHUNKS])
+        r0 = first + chunk * per
+        g = tensors[m[G]].double()
+        acc = torch.zeros(len(j), dtype=torch.float64)
+        for r in range(r0, min(r0 + per, first + rows)):
+            i = r * width + j - start
+            ok = (i >= 0) & (i < numel)
+            acc += torch.where(ok, g[i.clamp(0, numel - 1)] ** 2, 0.0)
+        part[m[PART] + chunk * width + j] = acc
+    for item in range(plan.pos_prefix[-1]):  # cross_finish_kernel, a thread at a time
+        s = _find(plan.pos_prefix, item)
+        m = meta[s]
+        width, start, end = m[BLOCK], m[START], m[START] + m[NUMEL]
+        j = item - plan.pos_prefix[s]
+        total = 0.0
+        for c in range(m[CHUNKS]):
+            total += part[m[PART] + j + c * width].item()
+        e0 = start + (int(math.fmod(j - start % width, width)) + width) % width
+        tensors[m[SUMS]][j] = total
+        tensors[m[COUNTS]][j] = 1 + (end - 1 - e0) // width if e0 < end else 0
+    for item in range(plan.col_prefix[-1]):  # cross_cols_kernel, a warp at a time
+        s = _find(plan.col_prefix, item)
+        m = meta[nr + s]
+        period, start, numel = -m[BLOCK], m[START], m[NUMEL]
+        r = start // period + item - plan.col_prefix[s]
+        lo, hi = max(r * period, start) - start, min((r + 1) * period, start + numel) - start
+        tensors[m[SUMS]][r] = (tensors[m[G]][lo:hi].double() ** 2).sum()
+        tensors[m[COUNTS]][r] = hi - lo
+    for m, h in zip(meta, plan.hyps, strict=True):  # cross_factor_kernel
+        if not m[OUT]:
+            continue
+        sums, counts, v = (tensors[m[k]] for k in (SUMS, COUNTS, V_CROSS))
+        mean = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).float()
+        v.copy_(v * h[0] + torch.tensor(h[1]) * mean)
+        total = (v.double().sum() / m[LENGTH]).float()
+        total = total if total > 0 else torch.tensor(1.0)
+        fac = (v / total).clamp(min=h[3]).sqrt() / torch.tensor(h[2])
+        tensors[m[OUT]].copy_(fac)
+
+
+def _pieces(specs, seed=0):
+    """(g, state, h, whole) per (tensor numel, block, start, numel, dtype): a piece of a tensor,
+    its v_cross of the tensor's length, random and positive."""
+    gen = torch.Generator().manual_seed(seed)
+    work = []
+    for t, (total, block, start, numel, dtype) in enumerate(specs):
+        st = SegmentState(start, numel, block)
+        st.v_cross = torch.rand(cross_length(block, total), generator=gen) + 0.1
+        g = (torch.randn(numel, generator=gen) * (1 + t)).to(dtype)
+        h = Hyper(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=3 + t)
+        work.append((g, st, h, start == 0 and numel == total))
+    return work
+
+
+def _tensors(work, plan) -> dict[int, torch.Tensor]:
+    named = {}
+    for (g, st, _, _), views in zip(work, plan.views, strict=True):
+        for t in (g, st.v_cross, *views):
+            if t is not None:
+                named[t.data_ptr()] = t
+    return named
+
+
+LAYOUTS = [
+    (300 * 70, 300, 0, 300 * 70, torch.float32),  # two tiles of positions, three chunks
+    (97 * 600, 97, 1234, 5000, torch.float32),  # a piece cut mid-row at both ends
+    (300 * 40, 300, 10, 50, torch.bfloat16),  # a piece inside one row
+    (64 * 50, -64, 0, 64 * 50, torch.float32),  # column blocks, whole
+    (300 * 30, -300, 37, 1000, torch.float16),  # column blocks, a piece cut mid-row
+    (513 * 33, 513, 0, 513 * 33, torch.float32),  # odd width over three tiles
+]
+
+
+# min(256, ceil(rows / 32)) chunks for 70, 53, 1 and 33 rows; a budget that binds leaves one each
+@pytest.mark.parametrize(
+    "budget, chunks", [(native_cuda.CROSS_PART_BYTES, [3, 2, 1, 2]), (8 * 600, [1, 1, 1, 1])]
+)
+def test_cross_plan_and_kernels_give_the_reference_sums_and_factors(monkeypatch, budget, chunks):
+    monkeypatch.setattr(native_cuda, "CROSS_PART_BYTES", budget)
+    work = _pieces(LAYOUTS)
+    expect = []
+    for g, st, h, whole in work:
+        sums, counts = cross_sums(g, st.start, st.block_size, st.v_cross.numel())
+        f = None
+        if whole:
+            twin = SegmentState(st.start, st.numel, st.block_size)
+            twin.v_cross = st.v_cross.clone()
+            f = (cross_factor(twin, h, cross_mean(sums, counts)), twin.v_cross)
+        expect.append((sums, counts, f))
+    plan = native_cuda.cross_plan(work)
+    assert [m[CHUNKS] for m in plan.meta if m[BLOCK] > 1] == chunks
+    emulate(plan, _tensors(work, plan))
+    for (_, st, _, whole), (sums, counts, f), (e_sums, e_counts, e_f) in zip(
+        work, plan.views, expect, strict=True
+    ):
+        assert torch.equal(counts, e_counts)
+        torch.testing.assert_close(sums, e_sums, rtol=1e-12, atol=0)
+        assert (f is None) == (not whole)
+        if whole:
+            torch.testing.assert_close(f, e_f[0], rtol=2e-7, atol=0)
+            torch.testing.assert_close(st.v_cross, e_f[1], rtol=2e-7, atol=0)
+
+
+def test_factor_plan_folds_all_reduced_sums_as_the_reference():
+    work = _pieces(LAYOUTS[1:2] + LAYOUTS[4:5], seed=1)
+    items, expect = [], []
+    for g, st, h, _ in work:
+        sums, counts = cross_sums(g, st.start, st.block_size, st.v_cross.numel())
+        sums, counts = sums * 3, counts * 3  # as if three ranks had added theirs
+        twin = SegmentState(st.start, st.numel, st.block_size)
+        twin.v_cross = st.v_cross.clone()
+        expect.append(cross_factor(twin, h, cross_mean(sums, counts)))
+        items.append((st, h, sums.float(), counts))  # not fp64: the plan converts
+    plan = native_cuda.factor_plan(items)
+    assert plan.row_prefix == [0] and plan.col_prefix == [0, 0, 0] and plan.part_n == 0
+    named = {t.data_ptr(): t for st, *_ in items for t in (st.v_cross,)}
+    for views in plan.views:
+        assert views[0].dtype == torch.float64 and views[0].is_contiguous()
+        named.update({t.data_ptr(): t for t in views})
+    emulate(plan, named)
+    for (*_, f), e in zip(plan.views, expect, strict=True):
+        torch.testing.assert_close(f, e, rtol=2e-7, atol=0)
+
+
+def test_factor_plan_refuses_sums_of_the_wrong_length():
+    [(_, st, h, _)] = _pieces(LAYOUTS[:1])
+    with pytest.raises(ValueError, match="v_cross 300"):
+        native_cuda.factor_plan([(st, h, torch.zeros(299, dtype=torch.float64), torch.ones(300))])
