@@ -2,8 +2,9 @@
 
 Why a segment table: a step touches hundreds of tensors, and FSDP/ZeRO hand each rank pieces of
 many tensors in one flat buffer; one row per segment (pointers, offsets, block size, dtypes, the
-step's hyperparameters) lets three launches cover every segment of a step, whatever the model,
-and an lr schedule changes only a row's numbers, never the kernels.
+step's hyperparameters) lets three launches cover every blocked and B = 1 segment of a step,
+and four the factor's pass, whatever the model; an lr schedule changes only a row's numbers,
+never the kernels. Column segments take four launches each.
 
 The build needs ninja, nvcc and a CUDA build of torch; it goes to ``$GEFEN_CACHE_DIR``
 (default ``~/.cache/gefen_dist``) keyed by the sources, torch's version and the device's
@@ -15,6 +16,7 @@ False and ``build_error()`` says why; Gefen then runs the reference update and s
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,33 +176,73 @@ def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
     return p.device.type == "cuda" and p.dtype in DTYPES and g.dtype in DTYPES
 
 
-def _table(rows, hyps, counts, device):
-    prefix = [0]
-    for c in counts:
-        prefix.append(prefix[-1] + c)
-    meta = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-    hyp = torch.tensor(hyps, dtype=torch.float32).pin_memory().to(device, non_blocking=True)
-    pre = torch.tensor(prefix, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-    return meta, hyp, pre, prefix[-1]
+@dataclass
+class StepPlan:
+    """One step's tables on the host: every launch's integers (meta rows, then its prefix) in
+    ``ints`` and hyperparameter rows in ``floats``, so they reach the device in two copies.
+    ``launches``: (group, segments, where its rows start in ints, in floats, work items);
+    ``columns``: per column segment (where its row starts in ints, in floats, state, bits)."""
+
+    ints: list[int]
+    floats: list[float]
+    launches: list[tuple[str, int, int, int, int]]
+    columns: list[tuple[int, int, SegmentState, int]]
+    factors: list  # this step's cross factors, alive until the launches are queued
 
 
-def step(work: list[tuple]) -> None:
-    """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor]) of one device: three
-    launches for all blocked and B = 1 segments, then three per column segment. Flat 1-D
-    contiguous views; the optimizer guarantees it. ``factor`` as ``native_cpu.step``'s."""
-    ext = load()
-    if not work:
-        return
+def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None], dense_tile: int) -> StepPlan:
+    """The host side of ``step``: ``made`` holds the factors computed for items without one."""
     device = work[0][0].device
-    stream = torch.cuda.current_stream(device).cuda_stream
     groups: dict[str, tuple[list, list, list]] = {
         "narrow": ([], [], []),
         "wide": ([], [], []),
         "dense": ([], [], []),
     }
-    tile = ext.DENSE_TILE
-    columns = []
-    factors = []  # this step's cross factors, alive until the launches are queued
+    columns, factors = [], []
+    for i, (p, g, st, h, levels, mids, bits, *given) in enumerate(work):
+        if st.numel == 0:
+            continue
+        if p.device != device or g.device != device:
+            raise ValueError("Gefen's CUDA step got tensors on several devices in one call")
+        f = given[0] if given else made.get(i)
+        factors.append(f)
+        row, hyp = table.row(p, g, st, levels, mids, bits, h.step, f), table.hyper_row(h)
+        if st.block_size < 0:
+            columns.append((row, hyp, st, bits))
+            continue
+        if st.block_size == 1:
+            key, count = "dense", -(-st.numel // dense_tile)
+        else:
+            key = "wide" if st.block_size >= WIDE else "narrow"
+            count = num_blocks(st.start, st.numel, st.block_size)
+        rows, hyps, counts = groups[key]
+        rows.append(row)
+        hyps.append(hyp)
+        counts.append(count)
+    plan = StepPlan([], [], [], [], factors)
+    for key, (rows, hyps, counts) in groups.items():
+        if rows:
+            prefix = list(itertools.accumulate(counts, initial=0))
+            plan.launches.append((key, len(rows), len(plan.ints), len(plan.floats), prefix[-1]))
+            plan.ints += [x for r in rows for x in r] + prefix
+            plan.floats += [x for r in hyps for x in r]
+    for row, hyp, st, bits in columns:
+        plan.columns.append((len(plan.ints), len(plan.floats), st, bits))
+        plan.ints += row
+        plan.floats += hyp
+    return plan
+
+
+def step(work: list[tuple]) -> None:
+    """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor]) of one device: three
+    launches for all blocked and B = 1 segments, then four per column segment, all their tables
+    in two host-to-device copies (``step_plan``) and the column segments' scratch in one
+    allocation that each reuses in turn on the stream. Flat 1-D contiguous views; the optimizer
+    guarantees it. ``factor`` as ``native_cpu.step``'s."""
+    ext = load()
+    if not work:
+        return
+    device = work[0][0].device
     # factors not given (a tensor held whole, called without the optimizer): one factor pass
     own = [
         i
@@ -208,37 +250,37 @@ def step(work: list[tuple]) -> None:
         if len(_rest) == 3 and st.numel and st.v_cross is not None and st.v_cross.numel()
     ]
     made = cross_table([(work[i][1], work[i][2], work[i][3], True) for i in own])
-    made = {i: f for i, (_, _, f) in zip(own, made, strict=True)}
-    for i, (p, g, st, h, levels, mids, bits, *given) in enumerate(work):
-        if st.numel == 0:
-            continue
-        if p.device != device or g.device != device:
-            raise ValueError("Gefen's CUDA step got tensors on several devices in one call")
-        f = given[0] if given else made.get(i)
-        if st.block_size < 0:
-            columns.append((p, g, st, h, levels, mids, bits, f))
-            continue
-        if st.block_size == 1:
-            key, count = "dense", -(-st.numel // tile)
-        else:
-            key = "wide" if st.block_size >= WIDE else "narrow"
-            count = num_blocks(st.start, st.numel, st.block_size)
-        rows, hyps, counts = groups[key]
-        rows.append(table.row(p, g, st, levels, mids, bits, h.step, f))
-        factors.append(f)
-        hyps.append(table.hyper_row(h))
-        counts.append(count)
+    plan = step_plan(work, {i: f for i, (*_, f) in zip(own, made, strict=True)}, ext.DENSE_TILE)
+    if not plan.ints:
+        return
+    ints = torch.tensor(plan.ints, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    floats = torch.tensor(plan.floats, dtype=torch.float32).pin_memory()
+    floats = floats.to(device, non_blocking=True)
+    mc, hc = table.META_COLS, table.HYP_COLS
+
+    def rows_at(a: int, b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return ints[a : a + n * mc].view(n, mc), floats[b : b + n * hc].view(n, hc)
+
     with torch.cuda.device(device):
-        for key, (rows, hyps, counts) in groups.items():
-            if not rows:
-                continue
-            meta, hyp, pre, total = _table(rows, hyps, counts, device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        for key, n, a, b, total in plan.launches:
+            meta, hyp = rows_at(a, b, n)
+            pre = ints[a + n * mc : a + n * mc + n + 1]
             if key == "dense":
                 ext.dense(meta, hyp, pre, total, stream)
             else:
                 ext.blocks(meta, hyp, pre, total, 256 if key == "wide" else 32, stream)
-    for w in columns:
-        _column_step(ext, *w)
+        if not plan.columns:
+            return
+        shapes = [_column_chunks(st) for _, _, st, _ in plan.columns]
+        most = max(c * nb for c, _, nb in shapes)
+        part_sum = torch.empty(most, dtype=torch.float64, device=device)
+        part_max = torch.empty(most, dtype=torch.float32, device=device)
+        small = torch.empty(2, max(nb for *_, nb in shapes), dtype=torch.float32, device=device)
+        for (a, b, st, bits), (chunks, per, nb) in zip(plan.columns, shapes, strict=True):
+            meta, hyp = rows_at(a, b, 1)
+            part = (part_sum[: chunks * nb], part_max[: chunks * nb], small[0, :nb], small[1, :nb])
+            ext.columns(meta, hyp, st.numel, -st.block_size, per, *part, st.absmax, bits, stream)
 
 
 CROSS_ROWS = 32
@@ -275,7 +317,7 @@ class CrossPlan:
 
 def cross_plan(work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]]) -> CrossPlan:
     """The launch plan of ``cross_table``, on whatever device the tensors are: plain numbers
-    and pointers, so the index arithmetic is checked on the CPU too (tests/test_cuda_cross.py).
+    and pointers, so the index arithmetic is checked on the CPU too (tests/test_cuda_plans.py).
     Contiguous rows get min(256, rows / CROSS_ROWS) chunks, scaled down together to keep the
     partial sums within CROSS_PART_BYTES."""
     device = work[0][0].device
@@ -400,48 +442,14 @@ COLUMN_ROWS = 32
 device on a tall tensor, a bounded transient on a wide one."""
 
 
-def _column_step(
-    ext: Any,
-    p: torch.Tensor,
-    g: torch.Tensor,
-    st: SegmentState,
-    h: Hyper,
-    levels: torch.Tensor,
-    mids: torch.Tensor,
-    bits: int,
-    f: torch.Tensor | None,
-) -> None:
-    """One column segment (``st.block_size`` = -P), as ``reference.column_update``."""
+def _column_chunks(st: SegmentState) -> tuple[int, int, int]:
+    """A column segment's chunks of rows, rows per chunk and columns (``launch_columns``)."""
     period = -st.block_size
     nb = min(st.numel, period)
     rows = -(-st.numel // period)
     chunks = max(1, min(128, -(-rows // COLUMN_ROWS), (64 << 20) // (12 * nb)))
     per_chunk = -(-rows // chunks)
-    chunks = -(-rows // per_chunk)
-    device = p.device
-    with torch.cuda.device(device):
-        meta, hyp, _, _ = _table(
-            [table.row(p, g, st, levels, mids, bits, h.step, f)], [table.hyper_row(h)], [0], device
-        )
-        part_sum = torch.empty(chunks * nb, dtype=torch.float64, device=device)
-        part_max = torch.empty(chunks * nb, dtype=torch.float32, device=device)
-        denom = torch.empty(nb, dtype=torch.float32, device=device)
-        amax_new = torch.empty(nb, dtype=torch.float32, device=device)
-        stream = torch.cuda.current_stream(device).cuda_stream
-        ext.columns(
-            meta,
-            hyp,
-            st.numel,
-            period,
-            per_chunk,
-            part_sum,
-            part_max,
-            denom,
-            amax_new,
-            st.absmax,
-            bits,
-            stream,
-        )
+    return -(-rows // per_chunk), per_chunk, nb
 
 
 def histogram(

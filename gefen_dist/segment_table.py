@@ -2,7 +2,7 @@
 
 Why a table and not a call per segment: a step touches hundreds of tensors, and FSDP/ZeRO hand
 each rank pieces of many tensors in one flat buffer. One row per segment (addresses, offsets,
-block size, dtypes, this step's hyperparameters) lets one call on the CPU, or three launches on
+block size, dtypes, this step's hyperparameters) lets one call on the CPU, or a few launches on
 a GPU, cover every segment, and an lr schedule changes only numbers in rows. Rebuilt each step
 because gradients may be new tensors (``zero_grad(set_to_none=True)``); a few hundred rows.
 

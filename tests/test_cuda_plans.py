@@ -1,5 +1,6 @@
-"""The CUDA factor pass's launch plans (``native_cuda.cross_plan``, ``factor_plan``) and the index
-arithmetic of its kernels, checked on the CPU: ``emulate`` runs csrc/gefen_cuda.cu's
+"""The CUDA backend's host side, checked on the CPU: the step's tables (``native_cuda.step_plan``:
+every launch's rows in two buffers) and the factor pass's launch plans (``cross_plan``,
+``factor_plan``) with the index arithmetic of its kernels: ``emulate`` runs csrc/gefen_cuda.cu's
 cross_rows_kernel, cross_finish_kernel, cross_cols_kernel and cross_factor_kernel line by line
 over a plan's own numbers (a thread block or warp at a time, its threads as a vector), and the
 sums, counts, folded v_cross and factors must equal the reference's on pieces of awkward
@@ -11,7 +12,8 @@ import math
 import pytest
 import torch
 
-from gefen_dist import native_cuda
+from gefen_dist import codebook, native_cuda, segment_table
+from gefen_dist.codes import midpoints
 from gefen_dist.reference import (
     Hyper,
     SegmentState,
@@ -20,6 +22,7 @@ from gefen_dist.reference import (
     cross_mean,
     cross_sums,
 )
+from gefen_dist.segments import num_blocks
 
 THREADS = native_cuda.THREADS
 (G, G_DTYPE, START, NUMEL, BLOCK, LENGTH, SUMS, COUNTS, V_CROSS, OUT, PART, CHUNKS) = range(
@@ -174,3 +177,67 @@ def test_factor_plan_refuses_sums_of_the_wrong_length():
     [(_, st, h, _)] = _pieces(LAYOUTS[:1])
     with pytest.raises(ValueError, match="v_cross 300"):
         native_cuda.factor_plan([(st, h, torch.zeros(299, dtype=torch.float64), torch.ones(300))])
+
+
+def test_step_plan_packs_every_launch_and_column_row_where_step_reads_them():
+    """Segments of each launch group in work order (narrow blocks, blocks of WIDE or more,
+    B = 1), then column rows; an empty segment gets none. Read back the way ``step`` slices."""
+    levels = codebook.learn_codebook(codebook.histogram(torch.linspace(-1, 1, 999)), 4)
+    mids = midpoints(levels)
+    specs = [  # (start, numel, block); the group it belongs to
+        ((5, 300, 64), "narrow"),
+        ((0, 4096, 2048), "wide"),
+        ((3, 777, 1), "dense"),
+        ((37, 1000, -100), None),
+        ((0, 0, 64), None),
+        ((0, 640, 32), "narrow"),
+        ((1, 2000, -64), None),
+    ]
+    work = []
+    for t, ((start, numel, block), _) in enumerate(specs):
+        st = SegmentState(start, numel, block)
+        nb = -(-(start % abs(block) + numel) // abs(block)) if block > 0 else abs(block)
+        if block == 1:
+            st.exp_avg = torch.zeros(numel, dtype=torch.bfloat16)
+            st.exp_avg_sq = torch.zeros(numel, dtype=torch.bfloat16)
+        else:
+            st.codes = torch.zeros((numel + 1) // 2, dtype=torch.uint8)
+            st.absmax, st.v = torch.zeros(nb), torch.zeros(nb)
+        p, g = torch.zeros(numel), torch.zeros(numel)
+        h = Hyper(lr=1e-3 * (t + 1), beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=t + 1)
+        work.append((p, g, st, h, levels, mids, 4))
+    made = {1: torch.ones(2048)}  # a factor computed for item 1
+    plan = native_cuda.step_plan(work, made, dense_tile=2048)
+    mc, hc = segment_table.META_COLS, segment_table.HYP_COLS
+
+    def expect(i):
+        p, g, st, h, lv, md, bits = work[i]
+        return segment_table.row(
+            p, g, st, lv, md, bits, h.step, made.get(i)
+        ), segment_table.hyper_row(h)
+
+    groups = {}
+    for i, (_, group) in enumerate(specs):
+        if group:
+            groups.setdefault(group, []).append(i)
+    assert [(k, n) for k, n, *_ in plan.launches] == [(k, len(v)) for k, v in groups.items()]
+    for key, n, a, b, total in plan.launches:
+        counts = []
+        for r, i in enumerate(groups[key]):
+            row, hyp = expect(i)
+            assert plan.ints[a + r * mc : a + (r + 1) * mc] == row
+            assert plan.floats[b + r * hc : b + (r + 1) * hc] == hyp
+            st = work[i][2]
+            counts.append(
+                -(-st.numel // 2048)
+                if key == "dense"
+                else num_blocks(st.start, st.numel, st.block_size)
+            )
+        prefix = plan.ints[a + n * mc : a + n * mc + n + 1]
+        assert prefix == [sum(counts[:k]) for k in range(n + 1)] and total == prefix[-1]
+    assert [st for _, _, st, _ in plan.columns] == [work[3][2], work[6][2]]
+    for (a, b, _, bits), i in zip(plan.columns, (3, 6), strict=True):
+        row, hyp = expect(i)
+        assert plan.ints[a : a + mc] == row and plan.floats[b : b + hc] == hyp and bits == 4
+    assert plan.columns[-1][0] + mc == len(plan.ints)
+    assert plan.factors[1] is made[1] and len(plan.factors) == 6
