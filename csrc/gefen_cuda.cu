@@ -377,21 +377,45 @@ __device__ __forceinline__ ColumnRow column_row(const int64_t* m) {
   return r;
 }
 
+// A column segment's row of the table, for the thread block ``blockIdx.x`` of a launch whose
+// ``prefix`` counts each segment's thread blocks; ``local`` is the block's index in its segment
+struct ColumnItem {
+  ColumnRow r;
+  const float* h;
+  const int64_t* aux;
+  int64_t local, nb;
+};
+
+__device__ __forceinline__ ColumnItem column_item(const int64_t* meta, const float* hyp,
+                                                  const int64_t* aux, const int64_t* prefix,
+                                                  int n_seg) {
+  const int s = find_segment(prefix, n_seg, blockIdx.x);
+  ColumnItem c;
+  c.r = column_row(meta + static_cast<int64_t>(s) * kMetaCols);
+  c.h = hyp + static_cast<int64_t>(s) * kHypCols;
+  c.aux = aux + static_cast<int64_t>(s) * kCAuxCols;
+  c.local = blockIdx.x - prefix[s];
+  c.nb = min(c.r.numel, c.r.period);
+  return c;
+}
+
 __global__ void __launch_bounds__(kThreads) columns_reduce_kernel(
-    const int64_t* __restrict__ meta, const float* __restrict__ hyp, int64_t rows_per_chunk,
+    const int64_t* __restrict__ meta, const float* __restrict__ hyp,
+    const int64_t* __restrict__ aux, const int64_t* __restrict__ prefix, int n_seg,
     double* __restrict__ part_sum, float* __restrict__ part_max) {
   __shared__ float s_levels[kMaxLevels];
-  const ColumnRow r = column_row(meta);
+  const ColumnItem c = column_item(meta, hyp, aux, prefix, n_seg);
+  const ColumnRow& r = c.r;
   for (int k = threadIdx.x; k < r.n_levels; k += kThreads) s_levels[k] = r.levels[k];
   __syncthreads();
-  const int64_t nb = min(r.numel, r.period);
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (k >= nb) return;
-  const float old = r.absmax[k], w = hyp[kW];
+  const int64_t tiles = (c.nb + kThreads - 1) / kThreads, chunk = c.local / tiles;
+  const int64_t k = (c.local % tiles) * kThreads + threadIdx.x;
+  if (k >= c.nb) return;
+  const float old = r.absmax[k], w = c.h[kW];
   double acc = 0.0;
   float amax = 0.0f;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
-  for (int64_t row = r0; row < r0 + rows_per_chunk; ++row) {
+  const int64_t r0 = chunk * c.aux[kCPer];
+  for (int64_t row = r0; row < r0 + c.aux[kCPer]; ++row) {
     const int64_t e = row * r.period + k;
     if (e >= r.numel) break;
     const float gi = load(r.g, e, r.gt);
@@ -400,33 +424,35 @@ __global__ void __launch_bounds__(kThreads) columns_reduce_kernel(
     const float mi = lerp(__fmul_rn(s_levels[get_code(r.codes, e, r.four)], old), gi, w);
     amax = fmaxf(amax, fabsf(mi));
   }
-  part_sum[blockIdx.y * nb + k] = acc;
-  part_max[blockIdx.y * nb + k] = amax;
+  part_sum[c.aux[kCPart] + chunk * c.nb + k] = acc;
+  part_max[c.aux[kCPart] + chunk * c.nb + k] = amax;
 }
 
 __global__ void __launch_bounds__(kThreads) columns_finish_kernel(
-    const int64_t* __restrict__ meta, const float* __restrict__ hyp, int chunks,
+    const int64_t* __restrict__ meta, const float* __restrict__ hyp,
+    const int64_t* __restrict__ aux, const int64_t* __restrict__ prefix, int n_seg,
     const double* __restrict__ part_sum, const float* __restrict__ part_max,
     float* __restrict__ denom, float* __restrict__ amax_new) {
-  const ColumnRow r = column_row(meta);
-  const int64_t nb = min(r.numel, r.period);
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (k >= nb) return;
+  const ColumnItem c = column_item(meta, hyp, aux, prefix, n_seg);
+  const ColumnRow& r = c.r;
+  const int64_t k = c.local * kThreads + threadIdx.x;
+  if (k >= c.nb) return;
   double total = 0.0;
   float amax = 0.0f;
-  for (int c = 0; c < chunks; ++c) {
-    total += part_sum[c * nb + k];
-    amax = fmaxf(amax, part_max[c * nb + k]);
+  for (int64_t q = 0; q < c.aux[kCChunks]; ++q) {
+    total += part_sum[c.aux[kCPart] + q * c.nb + k];
+    amax = fmaxf(amax, part_max[c.aux[kCPart] + q * c.nb + k]);
   }
   const int64_t count = r.numel / r.period + (k < r.numel % r.period ? 1 : 0);
   const float mean = static_cast<float>(total / static_cast<double>(count));
-  const float vk = __fadd_rn(__fmul_rn(r.v[k], hyp[kBeta2]), __fmul_rn(hyp[kA2], mean));
+  const float vk = __fadd_rn(__fmul_rn(r.v[k], c.h[kBeta2]), __fmul_rn(c.h[kA2], mean));
   r.v[k] = vk;
   const float sv = sqrtf(vk);  // factored: sqrt(v) here, the row's factor in column_element
-  denom[k] = r.fac ? sv : __fadd_rn(__fdiv_rn(sv, hyp[kBc2]), hyp[kEps]);
-  amax_new[k] = amax;
+  denom[c.aux[kCCol] + k] = r.fac ? sv : __fadd_rn(__fdiv_rn(sv, c.h[kBc2]), c.h[kEps]);
+  amax_new[c.aux[kCCol] + k] = amax;
 }
 
+// ``denom`` and ``amax_new`` are the segment's own (from kCCol)
 __device__ __forceinline__ int column_element(const ColumnRow& r, const float* hyp,
                                               const float* levels, const float* mids,
                                               const float* denom, const float* amax_new,
@@ -445,20 +471,24 @@ __device__ __forceinline__ int column_element(const ColumnRow& r, const float* h
 
 __global__ void __launch_bounds__(kThreads) columns_apply_kernel(
     const int64_t* __restrict__ meta, const float* __restrict__ hyp,
-    const float* __restrict__ denom, const float* __restrict__ amax_new) {
+    const int64_t* __restrict__ aux, const int64_t* __restrict__ prefix, int n_seg,
+    const float* __restrict__ denom_all, const float* __restrict__ amax_all) {
   __shared__ float s_levels[kMaxLevels];
   __shared__ float s_mids[kMaxLevels];
-  const ColumnRow r = column_row(meta);
+  const ColumnItem c = column_item(meta, hyp, aux, prefix, n_seg);
+  const ColumnRow& r = c.r;
   for (int k = threadIdx.x; k < r.n_levels; k += kThreads) {
     s_levels[k] = r.levels[k];
     if (k < r.n_levels - 1) s_mids[k] = r.mids[k];
   }
   __syncthreads();
-  const int64_t u = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const float* denom = denom_all + c.aux[kCCol];
+  const float* amax_new = amax_all + c.aux[kCCol];
+  const int64_t u = c.local * kThreads + threadIdx.x;
   if (!r.four) {
     if (u < r.numel)
       r.codes[u] = static_cast<uint8_t>(
-          column_element(r, hyp, s_levels, s_mids, denom, amax_new, u, r.codes[u]));
+          column_element(r, c.h, s_levels, s_mids, denom, amax_new, u, r.codes[u]));
     return;
   }
   if (u >= (r.numel + 1) / 2) return;
@@ -467,11 +497,21 @@ __global__ void __launch_bounds__(kThreads) columns_apply_kernel(
   for (int half = 0; half < 2; ++half) {
     const int64_t e = 2 * u + half;
     if (e >= r.numel) continue;  // the pad nibble of an odd-length segment stays as it is
-    const int c = half ? (byte >> 4) : (byte & 15);
-    const int k = column_element(r, hyp, s_levels, s_mids, denom, amax_new, e, c);
+    const int code = half ? (byte >> 4) : (byte & 15);
+    const int k = column_element(r, c.h, s_levels, s_mids, denom, amax_new, e, code);
     out = half ? ((out & 15) | (k << 4)) : ((out & 240) | k);
   }
   r.codes[u] = static_cast<uint8_t>(out);
+}
+
+// The new absmax over the old, once every element has been coded with the old
+__global__ void __launch_bounds__(kThreads) columns_commit_kernel(
+    const int64_t* __restrict__ meta, const float* __restrict__ hyp,
+    const int64_t* __restrict__ aux, const int64_t* __restrict__ prefix, int n_seg,
+    const float* __restrict__ amax_new) {
+  const ColumnItem c = column_item(meta, hyp, aux, prefix, n_seg);
+  const int64_t k = c.local * kThreads + threadIdx.x;
+  if (k < c.nb) c.r.absmax[k] = amax_new[c.aux[kCCol] + k];
 }
 
 // The factor's pass (reference.cross_sums / cross_factor) for every factored segment of a step.
@@ -625,25 +665,25 @@ cudaError_t launch_histogram(const void* g, int g_dtype, int64_t start, int64_t 
   return cudaGetLastError();
 }
 
-cudaError_t launch_columns(const int64_t* meta, const float* hyp, int64_t numel, int64_t period,
-                           int64_t rows_per_chunk, int chunks, double* part_sum, float* part_max,
-                           float* denom, float* amax_new, float* absmax, bool four,
-                           cudaStream_t stream) {
-  const int64_t nb = numel < period ? numel : period;
-  if (nb == 0) return cudaSuccess;
-  if (chunks < 1 || chunks > 65535) return cudaErrorInvalidValue;
-  const unsigned int col_grid = static_cast<unsigned int>((nb + kThreads - 1) / kThreads);
-  columns_reduce_kernel<<<dim3(col_grid, static_cast<unsigned int>(chunks)), kThreads, 0,
-                          stream>>>(meta, hyp, rows_per_chunk, part_sum, part_max);
-  columns_finish_kernel<<<col_grid, kThreads, 0, stream>>>(meta, hyp, chunks, part_sum, part_max,
-                                                           denom, amax_new);
-  const int64_t units = four ? (numel + 1) / 2 : numel;
-  columns_apply_kernel<<<static_cast<unsigned int>((units + kThreads - 1) / kThreads), kThreads,
-                         0, stream>>>(meta, hyp, denom, amax_new);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  return cudaMemcpyAsync(absmax, amax_new, static_cast<size_t>(nb) * sizeof(float),
-                         cudaMemcpyDeviceToDevice, stream);
+cudaError_t launch_columns(const int64_t* meta, const float* hyp, const int64_t* aux, int n_seg,
+                           const int64_t* reduce_prefix, int64_t reduce_blocks,
+                           const int64_t* col_prefix, int64_t col_blocks,
+                           const int64_t* unit_prefix, int64_t unit_blocks, double* part_sum,
+                           float* part_max, float* denom, float* amax_new, cudaStream_t stream) {
+  if (n_seg == 0) return cudaSuccess;
+  if (reduce_blocks < 1 || col_blocks < 1 || unit_blocks < 1 || reduce_blocks > 0x7fffffff ||
+      unit_blocks > 0x7fffffff)
+    return cudaErrorInvalidValue;
+  const auto grid = [](int64_t n) { return static_cast<unsigned int>(n); };
+  columns_reduce_kernel<<<grid(reduce_blocks), kThreads, 0, stream>>>(meta, hyp, aux, reduce_prefix,
+                                                                      n_seg, part_sum, part_max);
+  columns_finish_kernel<<<grid(col_blocks), kThreads, 0, stream>>>(
+      meta, hyp, aux, col_prefix, n_seg, part_sum, part_max, denom, amax_new);
+  columns_apply_kernel<<<grid(unit_blocks), kThreads, 0, stream>>>(meta, hyp, aux, unit_prefix,
+                                                                   n_seg, denom, amax_new);
+  columns_commit_kernel<<<grid(col_blocks), kThreads, 0, stream>>>(meta, hyp, aux, col_prefix,
+                                                                   n_seg, amax_new);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_cross(const int64_t* meta, const float* hyp, int n_seg, int n_rows_seg,

@@ -65,16 +65,22 @@ cudaError_t launch_histogram(const void* g, int g_dtype, int64_t start, int64_t 
                              int64_t block, float head_amax, float tail_amax,
                              unsigned long long* counts, int bins, cudaStream_t stream);
 
-// One column segment (block size -P in the table row ``meta``/``hyp``, a single row on the
-// device): v and absmax per column, three launches. Scratch from the caller: ``part_sum``
-// (double) and ``part_max`` (chunks x min(numel, P)), ``denom`` and ``amax_new`` (min(numel, P));
-// a factored row (kFactor) keeps sqrt(v) in ``denom`` and completes it per row of the view;
-// chunk c covers rows [c * rows_per_chunk, (c + 1) * rows_per_chunk) of the (rows, P) view.
-// ``absmax`` is the segment's absmax (also in ``meta``), overwritten last, on ``stream``.
-cudaError_t launch_columns(const int64_t* meta, const float* hyp, int64_t numel, int64_t period,
-                           int64_t rows_per_chunk, int chunks, double* part_sum, float* part_max,
-                           float* denom, float* amax_new, float* absmax, bool four,
-                           cudaStream_t stream);
+// Column segments (block size -P; rows of ``meta``/``hyp``, n_seg of them): v and absmax per
+// column, four launches for all. ``aux`` per segment (int64, the columns of ColumnAux) places
+// its scratch: ``part_sum`` (double) and ``part_max`` from kCPart (chunks x min(numel, P)),
+// ``denom`` and ``amax_new`` from kCCol (min(numel, P)); chunk c covers rows [c * per, (c + 1) *
+// per) of the segment's (rows, P) view. The prefixes count each segment's thread blocks of 256
+// threads in the three shapes (so a thread block never spans two segments): ``reduce_prefix``
+// column tiles x chunks, ``col_prefix`` column tiles, ``unit_prefix`` tiles of units (bytes at 4
+// bits, elements at 8); ``*_blocks`` are their last entries, the grids. A factored row (kFactor) keeps sqrt(v) in ``denom`` and completes it per
+// row of the view. Each segment's absmax is overwritten last, on ``stream``.
+enum ColumnAux : int { kCPart = 0, kCCol, kCChunks, kCPer, kCAuxCols = 4 };
+
+cudaError_t launch_columns(const int64_t* meta, const float* hyp, const int64_t* aux, int n_seg,
+                           const int64_t* reduce_prefix, int64_t reduce_blocks,
+                           const int64_t* col_prefix, int64_t col_blocks,
+                           const int64_t* unit_prefix, int64_t unit_blocks, double* part_sum,
+                           float* part_max, float* denom, float* amax_new, cudaStream_t stream);
 
 // The factor's sums (reference.cross_sums) of every factored segment of a step, and the factor
 // itself (reference.cross_factor) of those held whole, in four launches rather than a chain of

@@ -9,9 +9,8 @@
 
 namespace {
 
-void check_table(const at::Tensor& meta, const at::Tensor& hyp, const at::Tensor& prefix) {
-  TORCH_CHECK(meta.is_cuda() && hyp.is_cuda() && prefix.is_cuda(),
-              "gefen_cuda: meta, hyp and prefix must be CUDA tensors");
+void check_rows(const at::Tensor& meta, const at::Tensor& hyp) {
+  TORCH_CHECK(meta.is_cuda() && hyp.is_cuda(), "gefen_cuda: meta and hyp must be CUDA tensors");
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 &&
                   meta.size(1) == gefen::kMetaCols && meta.is_contiguous(),
               "gefen_cuda: meta must be contiguous int64 (segments, ", gefen::kMetaCols, ")");
@@ -19,9 +18,17 @@ void check_table(const at::Tensor& meta, const at::Tensor& hyp, const at::Tensor
                   hyp.size(1) == gefen::kHypCols && hyp.size(0) == meta.size(0) &&
                   hyp.is_contiguous(),
               "gefen_cuda: hyp must be contiguous float32 (segments, ", gefen::kHypCols, ")");
-  TORCH_CHECK(prefix.scalar_type() == at::kLong && prefix.dim() == 1 &&
-                  prefix.size(0) == meta.size(0) + 1 && prefix.is_contiguous(),
-              "gefen_cuda: prefix must be contiguous int64 (segments + 1,)");
+}
+
+void check_prefix(const at::Tensor& prefix, int64_t n_seg) {
+  TORCH_CHECK(prefix.is_cuda() && prefix.scalar_type() == at::kLong && prefix.dim() == 1 &&
+                  prefix.size(0) == n_seg + 1 && prefix.is_contiguous(),
+              "gefen_cuda: a prefix must be contiguous int64 (segments + 1,) on the GPU");
+}
+
+void check_table(const at::Tensor& meta, const at::Tensor& hyp, const at::Tensor& prefix) {
+  check_rows(meta, hyp);
+  check_prefix(prefix, meta.size(0));
 }
 
 void blocks(const at::Tensor& meta, const at::Tensor& hyp, const at::Tensor& prefix,
@@ -72,32 +79,35 @@ void histogram(const at::Tensor& g, int64_t start, int64_t block, double head_am
   TORCH_CHECK(err == cudaSuccess, "gefen_cuda histogram launch: ", cudaGetErrorString(err));
 }
 
-void columns(const at::Tensor& meta, const at::Tensor& hyp, int64_t numel, int64_t period,
-             int64_t rows_per_chunk, at::Tensor& part_sum, at::Tensor& part_max,
-             at::Tensor& denom, at::Tensor& amax_new, at::Tensor& absmax, int64_t bits,
+void columns(const at::Tensor& meta, const at::Tensor& hyp, const at::Tensor& aux,
+             const at::Tensor& reduce_prefix, int64_t reduce_blocks, const at::Tensor& col_prefix,
+             int64_t col_blocks, const at::Tensor& unit_prefix, int64_t unit_blocks,
+             at::Tensor& part_sum, at::Tensor& part_max, at::Tensor& denom, at::Tensor& amax_new,
              int64_t stream) {
-  TORCH_CHECK(meta.is_cuda() && hyp.is_cuda() && meta.size(0) == 1 && hyp.size(0) == 1 &&
-                  meta.scalar_type() == at::kLong && hyp.scalar_type() == at::kFloat &&
-                  meta.size(1) == gefen::kMetaCols && hyp.size(1) == gefen::kHypCols &&
-                  meta.is_contiguous() && hyp.is_contiguous(),
-              "gefen_cuda columns: meta and hyp must be one contiguous table row on the GPU");
-  TORCH_CHECK(period >= 1 && numel >= 0 && rows_per_chunk >= 1,
-              "gefen_cuda columns: period and rows_per_chunk must be >= 1");
-  const int64_t nb = numel < period ? numel : period;
-  const int64_t chunks = part_sum.numel() / (nb ? nb : 1);
-  TORCH_CHECK(part_sum.scalar_type() == at::kDouble && part_max.scalar_type() == at::kFloat &&
-                  part_max.numel() == part_sum.numel() && chunks * nb == part_sum.numel() &&
-                  denom.numel() == nb && amax_new.numel() == nb && absmax.numel() == nb &&
-                  denom.scalar_type() == at::kFloat && amax_new.scalar_type() == at::kFloat &&
-                  absmax.scalar_type() == at::kFloat,
-              "gefen_cuda columns: scratch must be double/float (chunks x columns) and float "
-              "(columns,)");
-  TORCH_CHECK(bits == 4 || bits == 8, "gefen_cuda columns: bits must be 4 or 8");
+  check_rows(meta, hyp);
+  const int64_t n_seg = meta.size(0);
+  TORCH_CHECK(aux.is_cuda() && aux.scalar_type() == at::kLong && aux.dim() == 2 &&
+                  aux.size(0) == n_seg && aux.size(1) == gefen::kCAuxCols && aux.is_contiguous(),
+              "gefen_cuda columns: aux must be contiguous int64 (segments, ", gefen::kCAuxCols,
+              ") on the GPU");
+  for (const at::Tensor* t : {&reduce_prefix, &col_prefix, &unit_prefix}) check_prefix(*t, n_seg);
+  TORCH_CHECK(part_sum.is_cuda() && part_sum.scalar_type() == at::kDouble &&
+                  part_max.is_cuda() && part_max.scalar_type() == at::kFloat &&
+                  part_max.numel() == part_sum.numel() && part_sum.is_contiguous() &&
+                  part_max.is_contiguous(),
+              "gefen_cuda columns: part_sum (float64) and part_max (float32) must be contiguous, "
+              "of one length, on the GPU");
+  TORCH_CHECK(denom.is_cuda() && amax_new.is_cuda() && denom.scalar_type() == at::kFloat &&
+                  amax_new.scalar_type() == at::kFloat && denom.numel() == amax_new.numel() &&
+                  denom.is_contiguous() && amax_new.is_contiguous(),
+              "gefen_cuda columns: denom and amax_new must be contiguous float32 of one length on "
+              "the GPU");
   const cudaError_t err = gefen::launch_columns(
-      meta.data_ptr<int64_t>(), hyp.data_ptr<float>(), numel, period, rows_per_chunk,
-      static_cast<int>(chunks), part_sum.data_ptr<double>(), part_max.data_ptr<float>(),
-      denom.data_ptr<float>(), amax_new.data_ptr<float>(), absmax.data_ptr<float>(), bits == 4,
-      reinterpret_cast<cudaStream_t>(stream));
+      meta.data_ptr<int64_t>(), hyp.data_ptr<float>(), aux.data_ptr<int64_t>(),
+      static_cast<int>(n_seg), reduce_prefix.data_ptr<int64_t>(), reduce_blocks,
+      col_prefix.data_ptr<int64_t>(), col_blocks, unit_prefix.data_ptr<int64_t>(), unit_blocks,
+      part_sum.data_ptr<double>(), part_max.data_ptr<float>(), denom.data_ptr<float>(),
+      amax_new.data_ptr<float>(), reinterpret_cast<cudaStream_t>(stream));
   TORCH_CHECK(err == cudaSuccess, "gefen_cuda columns launch: ", cudaGetErrorString(err));
 }
 
@@ -117,13 +127,9 @@ void cross(const at::Tensor& meta, const at::Tensor& hyp, int64_t n_rows_seg,
   const int64_t n_seg = meta.size(0);
   TORCH_CHECK(n_rows_seg >= 0 && n_rows_seg <= n_seg,
               "gefen_cuda cross: n_rows_seg must be in [0, segments]");
-  for (const at::Tensor* t : {&row_prefix, &pos_prefix, &col_prefix})
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kLong && t->dim() == 1 &&
-                    t->is_contiguous(),
-                "gefen_cuda cross: prefixes must be contiguous int64 on the GPU");
-  TORCH_CHECK(row_prefix.size(0) == n_rows_seg + 1 && pos_prefix.size(0) == n_rows_seg + 1 &&
-                  col_prefix.size(0) == n_seg - n_rows_seg + 1,
-              "gefen_cuda cross: prefixes must have one entry per segment of their kind, plus 1");
+  check_prefix(row_prefix, n_rows_seg);  // one entry per segment of its kind, plus one
+  check_prefix(pos_prefix, n_rows_seg);
+  check_prefix(col_prefix, n_seg - n_rows_seg);
   TORCH_CHECK(part.is_cuda() && part.scalar_type() == at::kDouble && part.is_contiguous(),
               "gefen_cuda cross: part must be contiguous float64 on the GPU");
   const cudaError_t err = gefen::launch_cross(
@@ -139,7 +145,7 @@ void cross(const at::Tensor& meta, const at::Tensor& hyp, int64_t n_rows_seg,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("blocks", &blocks, "Blocked segments of one step (segment table)");
   m.def("dense", &dense, "B = 1 segments of one step (segment table)");
-  m.def("columns", &columns, "One column segment (block size -P) of one step");
+  m.def("columns", &columns, "The column segments (block size -P) of one step");
   m.def("cross", &cross, "The factor's sums, and factors, of every factored segment of a step");
   m.def("histogram", &histogram, "Add one segment's block-normalised g0 to int64 counts");
   m.attr("META_COLS") = static_cast<int>(gefen::kMetaCols);

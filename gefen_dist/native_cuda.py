@@ -3,8 +3,8 @@
 Why a segment table: a step touches hundreds of tensors, and FSDP/ZeRO hand each rank pieces of
 many tensors in one flat buffer; one row per segment (pointers, offsets, block size, dtypes, the
 step's hyperparameters) lets three launches cover every blocked and B = 1 segment of a step,
-and four the factor's pass, whatever the model; an lr schedule changes only a row's numbers,
-never the kernels. Column segments take four launches each.
+four the column segments and four the factor's pass, whatever the model; an lr schedule
+changes only a row's numbers, never the kernels.
 
 The build needs ninja, nvcc and a CUDA build of torch; it goes to ``$GEFEN_CACHE_DIR``
 (default ``~/.cache/gefen_dist``) keyed by the sources, torch's version and the device's
@@ -177,16 +177,34 @@ def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
 
 
 @dataclass
+class ColumnLaunch:
+    """Where ``launch_columns``' arrays sit in a StepPlan's buffers: ``n`` table rows from
+    ``meta_at`` (ints) and ``hyp_at`` (floats), then from ``aux_at`` the aux rows (ColumnAux) and
+    the reduce, column and unit prefixes; the grids; the scratch: ``part_n`` partial sums and
+    maxima, ``col_n`` denominators and new maxima."""
+
+    n: int
+    meta_at: int
+    hyp_at: int
+    aux_at: int
+    reduce_blocks: int
+    col_blocks: int
+    unit_blocks: int
+    part_n: int
+    col_n: int
+
+
+@dataclass
 class StepPlan:
     """One step's tables on the host: every launch's integers (meta rows, then its prefix) in
     ``ints`` and hyperparameter rows in ``floats``, so they reach the device in two copies.
     ``launches``: (group, segments, where its rows start in ints, in floats, work items);
-    ``columns``: per column segment (where its row starts in ints, in floats, state, bits)."""
+    ``columns``: the column segments' launch, if any."""
 
     ints: list[int]
     floats: list[float]
     launches: list[tuple[str, int, int, int, int]]
-    columns: list[tuple[int, int, SegmentState, int]]
+    columns: ColumnLaunch | None
     factors: list  # this step's cross factors, alive until the launches are queued
 
 
@@ -219,25 +237,40 @@ def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None], dense_til
         rows.append(row)
         hyps.append(hyp)
         counts.append(count)
-    plan = StepPlan([], [], [], [], factors)
+    plan = StepPlan([], [], [], None, factors)
     for key, (rows, hyps, counts) in groups.items():
         if rows:
             prefix = list(itertools.accumulate(counts, initial=0))
             plan.launches.append((key, len(rows), len(plan.ints), len(plan.floats), prefix[-1]))
             plan.ints += [x for r in rows for x in r] + prefix
             plan.floats += [x for r in hyps for x in r]
-    for row, hyp, st, bits in columns:
-        plan.columns.append((len(plan.ints), len(plan.floats), st, bits))
-        plan.ints += row
-        plan.floats += hyp
+    if columns:
+        at = (len(plan.ints), len(plan.floats))
+        for row, hyp, _, _ in columns:
+            plan.ints += row
+            plan.floats += hyp
+        aux, reduce, cols, units, part, col = [], [0], [0], [0], 0, 0
+        shapes = _column_chunks([st for _, _, st, _ in columns])
+        for (_, _, st, bits), (chunks, per, nb) in zip(columns, shapes, strict=True):
+            aux += [part, col, chunks, per]
+            part, col = part + chunks * nb, col + nb
+            tiles = -(-nb // THREADS)
+            reduce.append(reduce[-1] + tiles * chunks)
+            cols.append(cols[-1] + tiles)
+            units.append(
+                units[-1] + -(-((st.numel + 1) // 2 if bits == 4 else st.numel) // THREADS)
+            )
+        plan.columns = ColumnLaunch(
+            len(columns), *at, len(plan.ints), reduce[-1], cols[-1], units[-1], part, col
+        )
+        plan.ints += aux + reduce + cols + units
     return plan
 
 
 def step(work: list[tuple]) -> None:
     """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor]) of one device: three
-    launches for all blocked and B = 1 segments, then four per column segment, all their tables
-    in two host-to-device copies (``step_plan``) and the column segments' scratch in one
-    allocation that each reuses in turn on the stream. Flat 1-D contiguous views; the optimizer
+    launches for all blocked and B = 1 segments, four for all column segments, their tables in
+    two host-to-device copies (``step_plan``). Flat 1-D contiguous views; the optimizer
     guarantees it. ``factor`` as ``native_cpu.step``'s."""
     ext = load()
     if not work:
@@ -270,17 +303,33 @@ def step(work: list[tuple]) -> None:
                 ext.dense(meta, hyp, pre, total, stream)
             else:
                 ext.blocks(meta, hyp, pre, total, 256 if key == "wide" else 32, stream)
-        if not plan.columns:
+        c = plan.columns
+        if c is None:
             return
-        shapes = [_column_chunks(st) for _, _, st, _ in plan.columns]
-        most = max(c * nb for c, _, nb in shapes)
-        part_sum = torch.empty(most, dtype=torch.float64, device=device)
-        part_max = torch.empty(most, dtype=torch.float32, device=device)
-        small = torch.empty(2, max(nb for *_, nb in shapes), dtype=torch.float32, device=device)
-        for (a, b, st, bits), (chunks, per, nb) in zip(plan.columns, shapes, strict=True):
-            meta, hyp = rows_at(a, b, 1)
-            part = (part_sum[: chunks * nb], part_max[: chunks * nb], small[0, :nb], small[1, :nb])
-            ext.columns(meta, hyp, st.numel, -st.block_size, per, *part, st.absmax, bits, stream)
+        meta, hyp = rows_at(c.meta_at, c.hyp_at, c.n)
+        a, n = c.aux_at, c.n
+        aux = ints[a : a + 4 * n].view(n, 4)
+        reduce, cols, units = (ints[a + 4 * n + k * (n + 1) :][: n + 1] for k in range(3))
+        part_sum = torch.empty(c.part_n, dtype=torch.float64, device=device)
+        part_max = torch.empty(c.part_n, dtype=torch.float32, device=device)
+        small = torch.empty(2, c.col_n, dtype=torch.float32, device=device)
+        grids = (c.reduce_blocks, c.col_blocks, c.unit_blocks)
+        ext.columns(
+            meta,
+            hyp,
+            aux,
+            reduce,
+            grids[0],
+            cols,
+            grids[1],
+            units,
+            grids[2],
+            part_sum,
+            part_max,
+            small[0],
+            small[1],
+            stream,
+        )
 
 
 CROSS_ROWS = 32
@@ -437,19 +486,29 @@ def _launch_cross(ext, device, plan: CrossPlan) -> None:
 
 
 COLUMN_ROWS = 32
-"""Rows per thread in a column segment's reduction pass, with at most 128 chunks of rows and
-64 MiB of partial sums and maxima (12 bytes per column and chunk): enough threads to fill the
-device on a tall tensor, a bounded transient on a wide one."""
+"""Rows per thread in the column segments' reduction pass, with at most 128 chunks of rows per
+segment: enough threads to fill the device on a tall tensor."""
+COLUMN_PART_BYTES = 64 << 20
+"""The most the column segments' partial sums and maxima may take for a whole step (12 bytes
+per column and chunk); over it, every segment's chunks shrink in proportion."""
 
 
-def _column_chunks(st: SegmentState) -> tuple[int, int, int]:
-    """A column segment's chunks of rows, rows per chunk and columns (``launch_columns``)."""
-    period = -st.block_size
-    nb = min(st.numel, period)
-    rows = -(-st.numel // period)
-    chunks = max(1, min(128, -(-rows // COLUMN_ROWS), (64 << 20) // (12 * nb)))
-    per_chunk = -(-rows // chunks)
-    return -(-rows // per_chunk), per_chunk, nb
+def _column_chunks(sts: list[SegmentState]) -> list[tuple[int, int, int]]:
+    """Each column segment's chunks of rows, rows per chunk and columns (``launch_columns``)."""
+    want = []
+    for st in sts:
+        rows = -(-st.numel // -st.block_size)
+        want.append(
+            (max(1, min(128, -(-rows // COLUMN_ROWS))), rows, min(st.numel, -st.block_size))
+        )
+    total = 12 * sum(c * nb for c, _, nb in want)
+    out = []
+    for chunks, rows, nb in want:
+        if total > COLUMN_PART_BYTES:
+            chunks = max(1, chunks * COLUMN_PART_BYTES // total)
+        per = -(-rows // chunks)
+        out.append((-(-rows // per), per, nb))
+    return out
 
 
 def histogram(

@@ -191,7 +191,7 @@ def test_step_plan_packs_every_launch_and_column_row_where_step_reads_them():
         ((37, 1000, -100), None),
         ((0, 0, 64), None),
         ((0, 640, 32), "narrow"),
-        ((1, 2000, -64), None),
+        ((1, 1025, -64), None),  # odd: 513 bytes at 4 bits, three tiles
     ]
     work = []
     for t, ((start, numel, block), _) in enumerate(specs):
@@ -235,9 +235,69 @@ def test_step_plan_packs_every_launch_and_column_row_where_step_reads_them():
             )
         prefix = plan.ints[a + n * mc : a + n * mc + n + 1]
         assert prefix == [sum(counts[:k]) for k in range(n + 1)] and total == prefix[-1]
-    assert [st for _, _, st, _ in plan.columns] == [work[3][2], work[6][2]]
-    for (a, b, _, bits), i in zip(plan.columns, (3, 6), strict=True):
+    c = plan.columns
+    assert c.n == 2
+    for r, i in enumerate((3, 6)):
         row, hyp = expect(i)
-        assert plan.ints[a : a + mc] == row and plan.floats[b : b + hc] == hyp and bits == 4
-    assert plan.columns[-1][0] + mc == len(plan.ints)
+        assert plan.ints[c.meta_at + r * mc : c.meta_at + (r + 1) * mc] == row
+        assert plan.floats[c.hyp_at + r * hc : c.hyp_at + (r + 1) * hc] == hyp
+    assert c.aux_at + 4 * c.n + 3 * (c.n + 1) == len(plan.ints)
+    cover_columns(plan)
     assert plan.factors[1] is made[1] and len(plan.factors) == 6
+
+
+def cover_columns(plan) -> None:
+    """launch_columns' four kernels' thread-to-index arithmetic over the plan (columns_reduce,
+    _finish, _apply, _commit in csrc/gefen_cuda.cu): every partial, column and unit of every
+    segment written once, a segment's chunks covering its rows once, nothing outside."""
+    c, mc, ints = plan.columns, segment_table.META_COLS, plan.ints
+    meta = [ints[c.meta_at + r * mc : c.meta_at + (r + 1) * mc] for r in range(c.n)]
+    aux = [ints[c.aux_at + 4 * r : c.aux_at + 4 * r + 4] for r in range(c.n)]
+    at = c.aux_at + 4 * c.n
+    reduce, cols, units = (ints[at + k * (c.n + 1) : at + (k + 1) * (c.n + 1)] for k in range(3))
+    assert (reduce[-1], cols[-1], units[-1]) == (c.reduce_blocks, c.col_blocks, c.unit_blocks)
+    part = torch.zeros(c.part_n, dtype=torch.int64)
+    col, commit = torch.zeros(c.col_n, dtype=torch.int64), torch.zeros(c.col_n, dtype=torch.int64)
+    lane = torch.arange(THREADS)
+    seen_rows = {}
+    for block in range(c.reduce_blocks):
+        s = _find(reduce, block)
+        numel, period = meta[s][8], -meta[s][9]
+        nb, (p_off, _, _, per) = min(numel, period), aux[s]
+        tiles, local = -(-nb // THREADS), block - reduce[s]
+        chunk, k = local // tiles, (local % tiles) * THREADS + lane
+        k = k[k < nb]
+        part[p_off + chunk * nb + k] += 1
+        rows = range(chunk * per, min(chunk * per + per, -(-numel // period)))
+        seen_rows.setdefault(s, []).extend(rows if k.numel() and k[0] == 0 else [])
+    for counter in (col, commit):  # columns_finish and columns_commit: a thread per column
+        for block in range(cols[-1]):
+            s = _find(cols, block)
+            nb = min(meta[s][8], -meta[s][9])
+            k = (block - cols[s]) * THREADS + lane
+            counter[aux[s][1] + k[k < nb]] += 1
+    for s in range(c.n):
+        numel, bits = meta[s][8], meta[s][10]
+        n_units = (numel + 1) // 2 if bits == 4 else numel
+        done = torch.zeros(n_units, dtype=torch.int64)
+        for block in range(units[s], units[s + 1]):
+            assert _find(units, block) == s
+            u = (block - units[s]) * THREADS + lane
+            done[u[u < n_units]] += 1
+        assert (done == 1).all()
+        assert sorted(seen_rows[s]) == list(range(-(-numel // -meta[s][9])))
+    assert (part == 1).all() and (col == 1).all() and (commit == 1).all()
+
+
+def test_column_chunks_fit_the_step_budget(monkeypatch):
+    """At most 128 chunks of >= 32 rows per segment; over COLUMN_PART_BYTES for the step, every
+    segment's chunks shrink in proportion (one at least), each still covering its rows."""
+    sts = [SegmentState(0, 64 * 5000, -64), SegmentState(3, 1000 * 70, -1000)]
+    assert native_cuda._column_chunks(sts) == [(125, 40, 64), (3, 24, 1000)]
+    monkeypatch.setattr(native_cuda, "COLUMN_PART_BYTES", 12 * 4000)
+    shapes = native_cuda._column_chunks(sts)
+    # within the budget, but for the one chunk each segment keeps whatever the budget
+    assert 12 * sum(ch * nb for ch, _, nb in shapes) <= 12 * 4000 + 12 * (64 + 1000)
+    assert [ch for ch, _, _ in shapes] == [45, 1]  # 128 and 3 times 48000 / 134304
+    for (chunks, per, _), rows in zip(shapes, (5000, 70), strict=True):
+        assert chunks * per >= rows > (chunks - 1) * per
