@@ -335,9 +335,11 @@ def step(work: list[tuple]) -> None:
 CROSS_ROWS = 32
 """Tensor rows per thread in the factor's pass over contiguous blocks, with at most 256 chunks
 of rows per segment: enough threads to fill the device on a tall tensor."""
-CROSS_PART_BYTES = 32 << 20
+CROSS_PART_BYTES = 16 << 20
 """The most the factor's partial sums may take for a whole step (fp64, chunks x B per segment);
-over it, every segment's chunks shrink in proportion."""
+over it, every segment's chunks shrink in proportion. With COLUMN_PART_BYTES (the two are never
+held at once) it keeps the step's scratch near 64 MiB on the largest models: the sums and factors
+themselves take 20 bytes per v_cross entry (fp64 sums and counts, the fp32 factor)."""
 CROSS_META_COLS = 12  # csrc/gefen_cuda.h, Cross
 THREADS = 256  # csrc/gefen_cuda.cu, kThreads: cross_rows_kernel's tile of positions
 
@@ -488,7 +490,7 @@ def _launch_cross(ext, device, plan: CrossPlan) -> None:
 COLUMN_ROWS = 32
 """Rows per thread in the column segments' reduction pass, with at most 128 chunks of rows per
 segment: enough threads to fill the device on a tall tensor."""
-COLUMN_PART_BYTES = 64 << 20
+COLUMN_PART_BYTES = 48 << 20
 """The most the column segments' partial sums and maxima may take for a whole step (12 bytes
 per column and chunk); over it, every segment's chunks shrink in proportion."""
 

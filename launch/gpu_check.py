@@ -224,6 +224,23 @@ def feed(params, grads, t: int) -> None:
     torch._foreach_copy_([p.grad for p in params], grads[t % len(grads)])
 
 
+def _device_ops(opt, device) -> int | None:
+    """Kernels and copies one step puts on the GPU (torch.profiler), where a step of many small
+    launches would show; None on the CPU or where the profiler cannot see the device."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            opt.step()
+            torch.cuda.synchronize(device)
+        return sum(e.device_type == DeviceType.CUDA for e in prof.events())
+    except Exception:
+        return None
+
+
 def time_step(name, dtype, device, shapes, steps, label) -> dict:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype) * 0.02) for s in shapes]
@@ -245,12 +262,16 @@ def time_step(name, dtype, device, shapes, steps, label) -> dict:
         for t in range(3):
             feed(params, grads, t)
             opt.step()
-        times = []
+        times, host = [], []
         for t in range(steps):
             feed(params, grads, t)
             timer = _timer(device)
+            t0 = time.perf_counter()
             opt.step()
+            host.append(time.perf_counter() - t0)  # until step() returns: Python and launches
             times.append(timer())
+        feed(params, grads, steps)
+        ops = _device_ops(opt, device)
     except Exception as e:
         return dict(head, skipped=f"{type(e).__name__}: {e}"[:300])
     med = statistics.median(times)
@@ -259,6 +280,8 @@ def time_step(name, dtype, device, shapes, steps, label) -> dict:
         params=numel,
         tensors=len(params),
         median_ms=1e3 * med,
+        host_ms=1e3 * statistics.median(host),
+        device_ops=ops,
         bytes_per_s=_bytes(name, params[0].element_size()) * numel / med,
     )
     if isinstance(opt, Gefen):
@@ -380,8 +403,9 @@ def _write(out: Path, report: dict) -> None:
             "",
             f"Copy bandwidth: {bw / 1e9:.0f} GB/s",
             "",
-            "| set | dtype | optimizer | median step | x fused AdamW | GB/s | % of copy |",
-            "|---|---|---|---|---|---|---|",
+            "| set | dtype | optimizer | median step | x fused AdamW | host | device ops | GB/s | "
+            "% of copy |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         kinds = dict.fromkeys((t.get("set", "matrices"), t["dtype"]) for t in report["timings"])
         for kind, dtype in kinds:
@@ -397,13 +421,14 @@ def _write(out: Path, report: dict) -> None:
                 if "skipped" in t:
                     lines.append(
                         f"| {kind} | {dtype} | {t['optimizer']} | skipped: {t['skipped'][:60]} "
-                        "| | | |"
+                        "| | | | | |"
                     )
                     continue
                 ratio = f"{t['median_ms'] / ref['median_ms']:.2f}x" if ref else "-"
                 lines.append(
                     f"| {kind} | {dtype} | {t['optimizer']} {t.get('backend', '')} | "
-                    f"{t['median_ms']:.2f} ms | {ratio} | {t['bytes_per_s'] / 1e9:.0f} | "
+                    f"{t['median_ms']:.2f} ms | {ratio} | {t.get('host_ms', 0):.2f} ms | "
+                    f"{t.get('device_ops')} | {t['bytes_per_s'] / 1e9:.0f} | "
                     f"{100 * t['bytes_per_s'] / bw:.0f} % |"
                 )
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")

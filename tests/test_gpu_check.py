@@ -38,4 +38,7 @@ def test_gpu_check_times_both_sets_on_cpu(tmp_path):
         assert {("matrices", dtype, n) for n in ("adamw_fused", "gefen4", "gefen8")} <= done
     assert {("gpt2_124m", "torch.float32", n) for n in ("adamw_fused", "gefen4")} <= done
     assert {t["tensors"] for t in timings if t["set"] == "gpt2_124m" and "tensors" in t} == {148}
+    # the time until step() returns: on the CPU the whole step, as no launch runs ahead
+    timed = [t for t in timings if "median_ms" in t]
+    assert all(0 < t["host_ms"] <= t["median_ms"] and t["device_ops"] is None for t in timed)
     assert "| gpt2_124m | torch.float32 | gefen4" in (tmp_path / "gpu_check.md").read_text()
