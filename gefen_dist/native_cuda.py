@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,24 +198,26 @@ class ColumnLaunch:
 @dataclass
 class StepPlan:
     """One step's tables on the host: every launch's integers (meta rows, then its prefix) in
-    ``ints`` and hyperparameter rows in ``floats``, so they reach the device in two copies.
-    ``launches``: (group, segments, where its rows start in ints, in floats, work items);
-    ``columns``: the column segments' launch, if any."""
+    ``ints`` and hyperparameter rows in ``floats``, flat arrays that reach the device in two
+    copies. ``launches``: (group, segments, where its rows start in ints, in floats, work items);
+    ``columns``: the column segments' launch, if any; ``rows``: per row, (work item, where it
+    starts in ints, in floats), for ``cuda_plan.CudaPlan`` to rewrite."""
 
-    ints: list[int]
-    floats: list[float]
+    ints: array
+    floats: array
     launches: list[tuple[str, int, int, int, int]]
     columns: ColumnLaunch | None
+    rows: list[tuple[int, int, int]]
     factors: list  # this step's cross factors, alive until the launches are queued
 
 
 def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None], dense_tile: int) -> StepPlan:
     """The host side of ``step``: ``made`` holds the factors computed for items without one."""
     device = work[0][0].device
-    groups: dict[str, tuple[list, list, list]] = {
-        "narrow": ([], [], []),
-        "wide": ([], [], []),
-        "dense": ([], [], []),
+    groups: dict[str, tuple[list, list, list, list]] = {
+        "narrow": ([], [], [], []),
+        "wide": ([], [], [], []),
+        "dense": ([], [], [], []),
     }
     columns, factors = [], []
     for i, (p, g, st, h, levels, mids, bits, *given) in enumerate(work):
@@ -226,32 +229,40 @@ def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None], dense_til
         factors.append(f)
         row, hyp = table.row(p, g, st, levels, mids, bits, h.step, f), table.hyper_row(h)
         if st.block_size < 0:
-            columns.append((row, hyp, st, bits))
+            columns.append((row, hyp, st, bits, i))
             continue
         if st.block_size == 1:
             key, count = "dense", -(-st.numel // dense_tile)
         else:
             key = "wide" if st.block_size >= WIDE else "narrow"
             count = num_blocks(st.start, st.numel, st.block_size)
-        rows, hyps, counts = groups[key]
+        rows, hyps, counts, items = groups[key]
         rows.append(row)
         hyps.append(hyp)
         counts.append(count)
-    plan = StepPlan([], [], [], None, factors)
-    for key, (rows, hyps, counts) in groups.items():
+        items.append(i)
+    ints: list[int] = []
+    floats: list[float] = []
+    plan = StepPlan(array("q"), array("f"), [], None, [], factors)
+    mc, hc = table.META_COLS, table.HYP_COLS
+    for key, (rows, hyps, counts, items) in groups.items():
         if rows:
             prefix = list(itertools.accumulate(counts, initial=0))
-            plan.launches.append((key, len(rows), len(plan.ints), len(plan.floats), prefix[-1]))
-            plan.ints += [x for r in rows for x in r] + prefix
-            plan.floats += [x for r in hyps for x in r]
+            plan.launches.append((key, len(rows), len(ints), len(floats), prefix[-1]))
+            plan.rows += [
+                (i, len(ints) + r * mc, len(floats) + r * hc) for r, i in enumerate(items)
+            ]
+            ints += [x for r in rows for x in r] + prefix
+            floats += [x for r in hyps for x in r]
     if columns:
-        at = (len(plan.ints), len(plan.floats))
-        for row, hyp, _, _ in columns:
-            plan.ints += row
-            plan.floats += hyp
+        at = (len(ints), len(floats))
+        for row, hyp, _, _, i in columns:
+            plan.rows.append((i, len(ints), len(floats)))
+            ints += row
+            floats += hyp
         aux, reduce, cols, units, part, col = [], [0], [0], [0], 0, 0
-        shapes = _column_chunks([st for _, _, st, _ in columns])
-        for (_, _, st, bits), (chunks, per, nb) in zip(columns, shapes, strict=True):
+        shapes = _column_chunks([st for _, _, st, _, _ in columns])
+        for (_, _, st, bits, _), (chunks, per, nb) in zip(columns, shapes, strict=True):
             aux += [part, col, chunks, per]
             part, col = part + chunks * nb, col + nb
             tiles = -(-nb // THREADS)
@@ -261,33 +272,43 @@ def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None], dense_til
                 units[-1] + -(-((st.numel + 1) // 2 if bits == 4 else st.numel) // THREADS)
             )
         plan.columns = ColumnLaunch(
-            len(columns), *at, len(plan.ints), reduce[-1], cols[-1], units[-1], part, col
+            len(columns), *at, len(ints), reduce[-1], cols[-1], units[-1], part, col
         )
-        plan.ints += aux + reduce + cols + units
+        ints += aux + reduce + cols + units
+    plan.ints.extend(ints)
+    plan.floats.extend(floats)
     return plan
 
 
-def step(work: list[tuple]) -> None:
+def step(work: list[tuple]) -> StepPlan | None:
     """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor]) of one device: three
     launches for all blocked and B = 1 segments, four for all column segments, their tables in
     two host-to-device copies (``step_plan``). Flat 1-D contiguous views; the optimizer
-    guarantees it. ``factor`` as ``native_cpu.step``'s."""
+    guarantees it. ``factor`` as ``native_cpu.step``'s. Returns the plan it ran."""
     ext = load()
     if not work:
-        return
-    device = work[0][0].device
+        return None
     # factors not given (a tensor held whole, called without the optimizer): one factor pass
     own = [
         i
         for i, (_, g, st, h, *_rest) in enumerate(work)
         if len(_rest) == 3 and st.numel and st.v_cross is not None and st.v_cross.numel()
     ]
-    made = cross_table([(work[i][1], work[i][2], work[i][3], True) for i in own])
+    made = cross_table([(work[i][1], work[i][2], work[i][3], True) for i in own]).views
     plan = step_plan(work, {i: f for i, (*_, f) in zip(own, made, strict=True)}, ext.DENSE_TILE)
+    launch_step(plan, work[0][0].device)
+    return plan
+
+
+def launch_step(plan: StepPlan, device: torch.device) -> None:
+    """The launches of a step plan: its two arrays copied to the device, views of them each
+    launch's table."""
+    ext = load()
     if not plan.ints:
         return
-    ints = torch.tensor(plan.ints, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-    floats = torch.tensor(plan.floats, dtype=torch.float32).pin_memory()
+    ints = torch.frombuffer(plan.ints, dtype=torch.int64).pin_memory()
+    ints = ints.to(device, non_blocking=True)
+    floats = torch.frombuffer(plan.floats, dtype=torch.float32).pin_memory()
     floats = floats.to(device, non_blocking=True)
     mc, hc = table.META_COLS, table.HYP_COLS
 
@@ -412,24 +433,22 @@ def cross_plan(work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]]) -> Cr
     return plan
 
 
-def cross_table(
-    work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]],
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+def cross_table(work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]]) -> CrossPlan:
     """``reference.cross_sums`` of every (g, segment, h, whole) of one device, and
     ``reference.cross_factor`` of each ``whole`` one (a tensor held whole; v_cross is folded in
     place), in four launches (``launch_cross``). Why: the torch ops of ``reference.cross_sums``
     run per chunk of 2^16 elements, a few launches each, so on a GPU a step of a 1B-parameter
-    model would have spent its time launching them. Returns (sums, counts, factor or None) per
-    item, in order: fp64 sums and counts for the all-reduce of a spread tensor."""
-    ext = load()
+    model would have spent its time launching them. Returns the plan it ran, whose ``views``
+    hold (sums, counts, factor or None) per item, in order: fp64 sums and counts for the
+    all-reduce of a spread tensor."""
     if not work:
-        return []
+        return CrossPlan([], [], [], [0], [0], [0], 0, [])
     plan = cross_plan(work)
-    _launch_cross(ext, work[0][0].device, plan)
+    launch_cross(plan, work[0][0].device)
     for (_, st, h, whole), (sums, counts, f) in zip(work, plan.views, strict=True):
         if whole and not st.numel:  # nothing launched for it: the reference's factor of zeros
             f.copy_(cross_factor(st, h, cross_mean(sums, counts)))
-    return plan.views
+    return plan
 
 
 def factor_plan(work: list[tuple[SegmentState, Hyper, torch.Tensor, torch.Tensor]]) -> CrossPlan:
@@ -460,17 +479,17 @@ def factors(
     """``reference.cross_factor(st, h, cross_mean(sums, counts))`` of every (segment, h, sums,
     counts) of one device in one launch, v_cross folded in place: the factors of tensors spread
     over ranks, from their all-reduced sums."""
-    ext = load()
     if not work:
         return []
     plan = factor_plan(work)
-    _launch_cross(ext, work[0][0].v_cross.device, plan)
+    launch_cross(plan, work[0][0].v_cross.device)
     return [f for *_, f in plan.views]
 
 
-def _launch_cross(ext, device, plan: CrossPlan) -> None:
+def launch_cross(plan: CrossPlan, device: torch.device) -> None:
     """``launch_cross`` of a plan, its integers in one host-to-device copy and its
     hyperparameters in another."""
+    ext = load()
     if not plan.meta:
         return
     nr = len(plan.row_prefix) - 1

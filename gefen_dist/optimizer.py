@@ -29,6 +29,7 @@ from . import codebook as cb
 from . import native_cpu, native_cuda, partition, sharding, state
 from .codes import midpoints
 from .cpu_plan import CpuPlan
+from .cuda_plan import CudaPlan
 from .reference import (
     CHUNK,
     Hyper,
@@ -99,7 +100,7 @@ class Gefen(Optimizer):
         self._codebook_copies: dict[tuple[int, str], torch.Tensor] = {}
         self._pending_install: list[tuple[torch.Tensor, dict]] = []
         self._cross_slots: dict[str, tuple[int, int]] | None = None
-        self._plan: CpuPlan | None = None  # the last step's C++ tables, for the next
+        self._plan: CpuPlan | CudaPlan | None = None  # the last step's native tables, for the next
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(Gefen._stash_state)
         self.register_load_state_dict_post_hook(Gefen._install_state)
@@ -291,6 +292,45 @@ class Gefen(Optimizer):
         ]
         if steps:
             torch._foreach_add_(steps, 1)  # one call, not one per tensor
+        items, origins = self._items()
+        factors, v_done, cross, on_cpu, gpu = self._cross_factors(items)
+        cpu_items: list[int] = []
+        cuda_items: list[int] = []
+        for i, ((impl, ps, gs, seg, h, levels, mids, bits, _), f) in enumerate(
+            zip(items, factors, strict=True)
+        ):
+            if impl == "cuda":
+                cuda_work.append((ps, gs, seg, h, levels, mids, bits, f))
+                cuda_items.append(i)
+            elif impl == "cpu":
+                cpu_work.append((ps, gs, seg, h, levels, mids, bits, f, i in v_done))
+                cpu_items.append(i)
+            elif seg.block_size == 1:
+                dense_update(ps, gs, seg, h)
+            elif seg.block_size < 0:
+                update = cpu_kernel.column_update if impl == "numba" else column_update
+                update(ps, gs, seg, h, levels, mids, bits, f)
+            elif impl == "numba":
+                cpu_kernel.block_update(ps, gs, seg, h, levels, mids, bits, f)
+            else:
+                block_update(ps, gs, seg, h, levels, mids, bits, f)
+        cpu_table = native_cpu.step(cpu_work)
+        ran = {}
+        for device in {w[0].device for w in cuda_work}:
+            ran[device] = native_cuda.step([w for w in cuda_work if w[0].device == device])
+        self._plan = None
+        if CpuPlan.eligible(self, items):
+            self._plan = CpuPlan(self, origins, cpu_table, cross, on_cpu, cpu_items)
+        elif len(ran) == 1 and CudaPlan.eligible(self, items):
+            ((device, step_plan),) = ran.items()
+            cross_plan, on = gpu.get(device, (native_cuda.cross_table([]), []))
+            self._plan = CudaPlan(self, origins, device, step_plan, cross_plan, on, cuda_items)
+        return loss
+
+    def _items(self) -> tuple[list[tuple], list[tuple]]:
+        """This step's work: per segment of every parameter with a gradient, (backend, parameter
+        piece, gradient piece, segment state, Hyper, levels, mids, bits, spread name), and its
+        origin (group index, parameter, element offset), which the kept plans rewrite from."""
         impls: dict[tuple, str] = {}
         items: list[tuple] = []  # (impl, p, g, segment state, hyper, levels, mids, bits, key)
         origins: list[tuple] = []  # (group index, parameter, element offset) per item
@@ -328,32 +368,7 @@ class Gefen(Optimizer):
                         gs = flat_g[offset : offset + seg.numel]
                     items.append((impl, ps, gs, seg, h, levels, mids, bits, name))
                     origins.append((gi, p, offset))
-        factors, v_done, cross, on_cpu = self._cross_factors(items)
-        cpu_items: list[int] = []
-        for i, ((impl, ps, gs, seg, h, levels, mids, bits, _), f) in enumerate(
-            zip(items, factors, strict=True)
-        ):
-            if impl == "cuda":
-                cuda_work.append((ps, gs, seg, h, levels, mids, bits, f))
-            elif impl == "cpu":
-                cpu_work.append((ps, gs, seg, h, levels, mids, bits, f, i in v_done))
-                cpu_items.append(i)
-            elif seg.block_size == 1:
-                dense_update(ps, gs, seg, h)
-            elif seg.block_size < 0:
-                update = cpu_kernel.column_update if impl == "numba" else column_update
-                update(ps, gs, seg, h, levels, mids, bits, f)
-            elif impl == "numba":
-                cpu_kernel.block_update(ps, gs, seg, h, levels, mids, bits, f)
-            else:
-                block_update(ps, gs, seg, h, levels, mids, bits, f)
-        cpu_table = native_cpu.step(cpu_work)
-        for device in {w[0].device for w in cuda_work}:
-            native_cuda.step([w for w in cuda_work if w[0].device == device])
-        self._plan = None
-        if CpuPlan.eligible(self, items):
-            self._plan = CpuPlan(self, origins, cpu_table, cross, on_cpu, cpu_items)
-        return loss
+        return items, origins
 
     @property
     def backend(self) -> str:
@@ -418,14 +433,15 @@ class Gefen(Optimizer):
 
     def _cross_factors(
         self, items: list[tuple]
-    ) -> tuple[list[torch.Tensor | None], set[int], native_cpu.CrossTable, list[int]]:
+    ) -> tuple[list[torch.Tensor | None], set[int], native_cpu.CrossTable, list[int], dict]:
         """This step's ``reference.cross_factor`` per segment (None where it has none): from the
         segment's own g where it holds its whole tensor; from the sums over every rank's piece
         where the tensor is spread, all such tensors in one all-reduce, so each rank takes the
         single-process step. Every rank reduces the whole table, zeros for tensors it does not
         step in this call: ZeRO steps one group at a time, all ranks the same group. Also the
         items whose block v the C++ pass over g has already stepped (contiguous blocks), that
-        pass's table and the items behind its rows (for ``CpuPlan``)."""
+        pass's table and the items behind its rows (for ``CpuPlan``); per GPU, the factor
+        pass's plan and the items behind its rows (for ``CudaPlan``)."""
         out: list[torch.Tensor | None] = [None] * len(items)
         v_done: set[int] = set()
         slots = self._cross_table()
@@ -447,11 +463,12 @@ class Gefen(Optimizer):
         )
         cpu_sums = dict(zip(on_cpu, cross.results, strict=True))
         # the same on each GPU: four launches (native_cuda.cross_table)
-        cuda_sums = {}
+        cuda_sums, gpu = {}, {}
         for device in {items[i][2].device for i in factored if items[i][0] == "cuda"}:
             on = [i for i in factored if items[i][0] == "cuda" and items[i][2].device == device]
             work = [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on]
-            cuda_sums.update(zip(on, native_cuda.cross_table(work), strict=True))
+            gpu[device] = (native_cuda.cross_table(work), on)
+            cuda_sums.update(zip(on, gpu[device][0].views, strict=True))
         spread = []
         for i in factored:
             impl, _, g, seg, h, _, _, _, name = items[i]
@@ -494,7 +511,7 @@ class Gefen(Optimizer):
                 made = native_cuda.factors([w[1:] for w in work])
                 for (i, *_), f in zip(work, made, strict=True):
                     out[i] = f
-        return out, v_done, cross, on_cpu
+        return out, v_done, cross, on_cpu, gpu
 
     def _cross_table(self) -> dict[str, tuple[int, int]]:
         """Where each tensor spread over ranks puts its v_cross sums in the per-step all-reduce:

@@ -8,12 +8,14 @@ layouts, several in one plan. What this cannot catch is a CUDA line that differs
 emulation: ``native_cuda``'s self-check and ``launch/gpu_check.py`` run the kernels themselves."""
 
 import math
+from array import array
 
 import pytest
 import torch
 
-from gefen_dist import codebook, native_cuda, segment_table
+from gefen_dist import Gefen, Segment, codebook, native_cuda, segment_table, state
 from gefen_dist.codes import midpoints
+from gefen_dist.cuda_plan import CudaPlan
 from gefen_dist.reference import (
     Hyper,
     SegmentState,
@@ -212,36 +214,38 @@ def test_step_plan_packs_every_launch_and_column_row_where_step_reads_them():
 
     def expect(i):
         p, g, st, h, lv, md, bits = work[i]
-        return segment_table.row(
-            p, g, st, lv, md, bits, h.step, made.get(i)
-        ), segment_table.hyper_row(h)
+        hyp = array("f", segment_table.hyper_row(h))  # fp32, as the device reads it
+        return segment_table.row(p, g, st, lv, md, bits, h.step, made.get(i)), hyp
 
     groups = {}
     for i, (_, group) in enumerate(specs):
         if group:
             groups.setdefault(group, []).append(i)
     assert [(k, n) for k, n, *_ in plan.launches] == [(k, len(v)) for k, v in groups.items()]
+    rows = []  # where each segment's row is: what CudaPlan rewrites
     for key, n, a, b, total in plan.launches:
         counts = []
         for r, i in enumerate(groups[key]):
             row, hyp = expect(i)
-            assert plan.ints[a + r * mc : a + (r + 1) * mc] == row
+            assert plan.ints[a + r * mc : a + (r + 1) * mc].tolist() == row
             assert plan.floats[b + r * hc : b + (r + 1) * hc] == hyp
+            rows.append((i, a + r * mc, b + r * hc))
             st = work[i][2]
             counts.append(
                 -(-st.numel // 2048)
                 if key == "dense"
                 else num_blocks(st.start, st.numel, st.block_size)
             )
-        prefix = plan.ints[a + n * mc : a + n * mc + n + 1]
+        prefix = plan.ints[a + n * mc : a + n * mc + n + 1].tolist()
         assert prefix == [sum(counts[:k]) for k in range(n + 1)] and total == prefix[-1]
     c = plan.columns
     assert c.n == 2
     for r, i in enumerate((3, 6)):
         row, hyp = expect(i)
-        assert plan.ints[c.meta_at + r * mc : c.meta_at + (r + 1) * mc] == row
+        assert plan.ints[c.meta_at + r * mc : c.meta_at + (r + 1) * mc].tolist() == row
         assert plan.floats[c.hyp_at + r * hc : c.hyp_at + (r + 1) * hc] == hyp
     assert c.aux_at + 4 * c.n + 3 * (c.n + 1) == len(plan.ints)
+    assert plan.rows == [*rows, (3, c.meta_at, c.hyp_at), (6, c.meta_at + mc, c.hyp_at + hc)]
     cover_columns(plan)
     assert plan.factors[1] is made[1] and len(plan.factors) == 6
 
@@ -301,3 +305,80 @@ def test_column_chunks_fit_the_step_budget(monkeypatch):
     assert [ch for ch, _, _ in shapes] == [45, 1]  # 128 and 3 times 48000 / 134304
     for (chunks, per, _), rows in zip(shapes, (5000, 70), strict=True):
         assert chunks * per >= rows > (chunks - 1) * per
+
+
+def _by_hand():
+    """Gefen on CPU parameters with segments laid out by hand, as launch/gpu_check.py does:
+    factored blocks of rows, factored column blocks and B = 1, in two groups, and a parameter of
+    two segments; on the reference backend, so it keeps no plan of its own."""
+    gen = torch.Generator().manual_seed(0)
+    hist = codebook.histogram(torch.randn(20000, generator=gen).clamp(-1, 1))
+    levels = codebook.learn_codebook(hist, 4)
+    # per parameter: its shape, then (offset, numel, start, tensor shape, block) per segment; the
+    # last one a flat buffer holding pieces of two tensors, as FSDP's flat parameters do
+    layouts = [
+        ((96, 64), [(0, 96 * 64, 0, (96, 64), 64)]),
+        ((48, 80), [(0, 48 * 80, 0, (48, 80), -80)]),
+        ((33,), [(0, 33, 0, (33,), 1)]),
+        ((1140,), [(0, 640, 0, (20, 64), 32), (640, 500, 100, (60, 50), -50)]),
+    ]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s, _ in layouts]
+    groups = [{"params": params[:2]}, {"params": params[2:], "lr": 3e-4, "betas": (0.8, 0.99)}]
+    opt = Gefen(groups, lr=1e-3, bits=4)
+    opt.backend = "reference"
+    for p, (_, segs) in zip(params, layouts, strict=True):
+        opt.set_segments(p, [Segment(*seg[:4]) for seg in segs])
+        blocks = [seg[4] for seg in segs]
+        opt.state[p] = state.allocate([Segment(*seg[:4]) for seg in segs], blocks, levels, p.device)
+    return opt, params
+
+
+def _cuda_plans(opt):
+    """The plans the optimizer's long way would give native_cuda for this step's items."""
+    items, origins = opt._items()
+    factored = [i for i, it in enumerate(items) if it[3].v_cross is not None]
+    factored = [i for i in factored if items[i][3].v_cross.numel()]
+    cross = native_cuda.cross_plan([(*items[i][2:5], True) for i in factored])
+    fac = {i: f for i, (*_, f) in zip(factored, cross.views, strict=True)}
+    work = [(*it[1:8], fac.get(i)) for i, it in enumerate(items)]
+    return origins, factored, cross, native_cuda.step_plan(work, {}, dense_tile=2048)
+
+
+def test_cuda_plan_rewrites_what_plans_built_anew_would_hold():
+    """CudaPlan.refresh (its launches need a GPU): after new gradient tensors and a new lr, the
+    kept plans' addresses, step keys and hyperparameter rows are those of plans built anew from
+    the optimizer's own items, and everything else is as it was (the factor addresses into the
+    kept factor plan's buffers included)."""
+    opt, params = _by_hand()
+    for t in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(t))
+        opt.step()
+    origins, factored, cross, step = _cuda_plans(opt)
+    assert len(factored) == 4 and step.columns.n == 2 and len(step.rows) == 5
+    assert [off for _, _, off in origins] == [0, 0, 0, 0, 640]
+    kept = CudaPlan(opt, origins, torch.device("cpu"), step, cross, factored, list(range(5)))
+    ints0, meta0 = step.ints.tolist(), [list(r) for r in cross.meta]
+    for p in params:
+        p.grad = torch.randn(p.shape) + 1  # new tensors, new addresses
+    opt.param_groups[0]["lr"] = 5e-4
+    assert kept.refresh(opt)
+    _, _, cross_new, step_new = _cuda_plans(opt)
+    ints, fresh = step.ints.tolist(), step_new.ints.tolist()
+    assert step.floats == step_new.floats and step.rows == step_new.rows
+    factor = segment_table.META_COLS - 1
+    for _, at, _ in step.rows:
+        for col in range(segment_table.META_COLS):
+            want = ints0[at + col] if col == factor else fresh[at + col]
+            assert ints[at + col] == want, col
+    outside = set(range(len(ints))) - {at + c for _, at, _ in step.rows for c in range(factor + 1)}
+    assert all(ints[k] == fresh[k] == ints0[k] for k in outside)  # prefixes, column aux
+    assert [array("f", r) for r in cross.hyps] == [array("f", r) for r in cross_new.hyps]
+    for row, row0, new in zip(cross.meta, meta0, cross_new.meta, strict=True):
+        buffers = (SUMS, COUNTS, OUT)  # the kept plan's own, written by its launches
+        assert [row[k] for k in buffers] == [row0[k] for k in buffers]
+        assert [x for k, x in enumerate(row) if k not in buffers] == [
+            x for k, x in enumerate(new) if k not in buffers
+        ]
+    params[2].grad = None  # a parameter without its gradient: the long way
+    assert not kept.refresh(opt)
