@@ -387,21 +387,35 @@ class CrossPlan:
     views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
-def cross_plan(work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]]) -> CrossPlan:
+Dest = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def cross_plan(
+    work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]], dest: list[Dest] | None = None
+) -> CrossPlan:
     """The launch plan of ``cross_table``, on whatever device the tensors are: plain numbers
     and pointers, so the index arithmetic is checked on the CPU too (tests/test_cuda_plans.py).
     Contiguous rows get min(256, rows / CROSS_ROWS) chunks, scaled down together to keep the
-    partial sums within CROSS_PART_BYTES."""
+    partial sums within CROSS_PART_BYTES. ``dest``: per item, None or the (sums, counts) it is
+    to write into (fp64, contiguous, of its v_cross's length, zero where its piece has no
+    element: a spread tensor's slot in the all-reduce's buffer, where it is the only piece)."""
     device = work[0][0].device
+    dest = dest or [None] * len(work)
     lengths = [w[1].v_cross.numel() for w in work]
-    sums_all = torch.zeros(2 * sum(lengths), dtype=torch.float64, device=device)
+    own = sum(n for n, d in zip(lengths, dest, strict=True) if d is None)
+    sums_all = torch.zeros(2 * own, dtype=torch.float64, device=device)
     fac_all = torch.empty(sum(n for n, w in zip(lengths, work, strict=True) if w[3]), device=device)
     views, at, f_at = [], 0, 0
-    for n, (_, _, _, whole) in zip(lengths, work, strict=True):
+    for n, (_, _, _, whole), d in zip(lengths, work, dest, strict=True):
         f = fac_all[f_at : f_at + n] if whole else None
         f_at += n if whole else 0
-        views.append((sums_all[at : at + n], sums_all[at + n : at + 2 * n], f))
-        at += 2 * n
+        if d is None:
+            views.append((sums_all[at : at + n], sums_all[at + n : at + 2 * n], f))
+            at += 2 * n
+            continue
+        if any(x.numel() != n or x.dtype != torch.float64 or not x.is_contiguous() for x in d):
+            raise ValueError(f"factor destination must be contiguous fp64 of {n} entries")
+        views.append((*d, f))
     rows_kind = [i for i, (_, st, _, _) in enumerate(work) if st.block_size > 1 and st.numel]
     cols_kind = [i for i, (_, st, _, _) in enumerate(work) if st.block_size < 0 and st.numel]
     chunks = {}
@@ -433,17 +447,19 @@ def cross_plan(work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]]) -> Cr
     return plan
 
 
-def cross_table(work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]]) -> CrossPlan:
+def cross_table(
+    work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]], dest: list[Dest] | None = None
+) -> CrossPlan:
     """``reference.cross_sums`` of every (g, segment, h, whole) of one device, and
     ``reference.cross_factor`` of each ``whole`` one (a tensor held whole; v_cross is folded in
     place), in four launches (``launch_cross``). Why: the torch ops of ``reference.cross_sums``
     run per chunk of 2^16 elements, a few launches each, so on a GPU a step of a 1B-parameter
     model would have spent its time launching them. Returns the plan it ran, whose ``views``
     hold (sums, counts, factor or None) per item, in order: fp64 sums and counts for the
-    all-reduce of a spread tensor."""
+    all-reduce of a spread tensor, written into ``dest`` where given (``cross_plan``)."""
     if not work:
         return CrossPlan([], [], [], [0], [0], [0], 0, [])
-    plan = cross_plan(work)
+    plan = cross_plan(work, dest)
     launch_cross(plan, work[0][0].device)
     for (_, st, h, whole), (sums, counts, f) in zip(work, plan.views, strict=True):
         if whole and not st.numel:  # nothing launched for it: the reference's factor of zeros

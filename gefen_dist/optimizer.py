@@ -18,6 +18,7 @@ import importlib
 import math
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -462,12 +463,21 @@ class Gefen(Optimizer):
             [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on_cpu]
         )
         cpu_sums = dict(zip(on_cpu, cross.results, strict=True))
-        # the same on each GPU: four launches (native_cuda.cross_table)
-        cuda_sums, gpu = {}, {}
+        # the same on each GPU: four launches (native_cuda.cross_table); a spread tensor's only
+        # piece here writes its sums straight into its slot of the all-reduce's buffer
+        cuda_sums, gpu, direct = {}, {}, set()
+        pieces = Counter(items[i][8] for i in factored)
         for device in {items[i][2].device for i in factored if items[i][0] == "cuda"}:
             on = [i for i in factored if items[i][0] == "cuda" and items[i][2].device == device]
             work = [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on]
-            gpu[device] = (native_cuda.cross_table(work), on)
+            dest: list[native_cuda.Dest] = [None] * len(on)
+            for k, i in enumerate(on):
+                name = items[i][8]
+                if name is not None and buf.device == device and pieces[name] == 1:
+                    at, n = slots[name]
+                    dest[k] = (buf[at : at + n], buf[total + at : total + at + n])
+                    direct.add(i)
+            gpu[device] = (native_cuda.cross_table(work, dest), on)
             cuda_sums.update(zip(on, gpu[device][0].views, strict=True))
         spread = []
         for i in factored:
@@ -491,8 +501,9 @@ class Gefen(Optimizer):
                     out[i] = _factor(impl, seg, h, sums, counts)
                     continue
             at, n = slots[name]
-            buf[at : at + n] += sums.to(buf.device)
-            buf[total + at : total + at + n] += counts.to(buf.device)
+            if i not in direct:
+                buf[at : at + n] += sums.to(buf.device)
+                buf[total + at : total + at + n] += counts.to(buf.device)
             spread.append((i, at, n))
         if buf is not None:
             dist.all_reduce(buf, group=self._group)

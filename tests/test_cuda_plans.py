@@ -154,6 +154,30 @@ def test_cross_plan_and_kernels_give_the_reference_sums_and_factors(monkeypatch,
             torch.testing.assert_close(st.v_cross, e_f[1], rtol=2e-7, atol=0)
 
 
+def test_cross_plan_writes_a_spread_pieces_sums_into_its_slot():
+    """A spread tensor's only piece on a rank writes its sums and counts straight into its slot
+    of the all-reduce's buffer (``dest``), entries its piece does not reach left at zero; a
+    piece without a slot keeps the plan's own buffer; a wrong slot is refused."""
+    work = _pieces([LAYOUTS[1], LAYOUTS[4], LAYOUTS[2]], seed=2)
+    lengths = [st.v_cross.numel() for _, st, _, _ in work]
+    buf = torch.zeros(2 * (sum(lengths[:2]) + 5), dtype=torch.float64)
+    total = sum(lengths[:2]) + 5
+    slots = [(5, lengths[0]), (5 + lengths[0], lengths[1])]
+    dest = [(buf[a : a + n], buf[total + a : total + a + n]) for a, n in slots] + [None]
+    plan = native_cuda.cross_plan(work, dest)
+    for (sums, counts, _), d in zip(plan.views, dest, strict=True):
+        if d is not None:
+            assert sums.data_ptr() == d[0].data_ptr() and counts.data_ptr() == d[1].data_ptr()
+    emulate(plan, _tensors(work, plan))
+    for (g, st, _, _), (sums, counts, _) in zip(work, plan.views, strict=True):
+        e_sums, e_counts = cross_sums(g, st.start, st.block_size, st.v_cross.numel())
+        assert torch.equal(counts, e_counts)
+        torch.testing.assert_close(sums, e_sums, rtol=1e-12, atol=0)
+    assert not buf[:5].any() and not buf[total : total + 5].any()
+    with pytest.raises(ValueError, match="contiguous fp64 of"):
+        native_cuda.cross_plan(work[:1], [(buf[:3], buf[3:6])])
+
+
 def test_factor_plan_folds_all_reduced_sums_as_the_reference():
     work = _pieces(LAYOUTS[1:2] + LAYOUTS[4:5], seed=1)
     items, expect = [], []
