@@ -428,7 +428,8 @@ def _write(out: Path, report: dict) -> None:
                 lines.append(
                     f"| {kind} | {dtype} | {t['optimizer']} {t.get('backend', '')} | "
                     f"{t['median_ms']:.2f} ms | {ratio} | {t.get('host_ms', 0):.2f} ms | "
-                    f"{t.get('device_ops')} | {t['bytes_per_s'] / 1e9:.0f} | "
+                    f"{'-' if t.get('device_ops') is None else t['device_ops']} | "
+                    f"{t['bytes_per_s'] / 1e9:.0f} | "
                     f"{100 * t['bytes_per_s'] / bw:.0f} % |"
                 )
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
