@@ -139,6 +139,6 @@ class KeptPlan:
             if r is None:
                 h = Hyper.of(opt.param_groups[gi], t)
                 hr = array("f", table.hyper_row(h))
-                r = rows[(gi, t)] = (hr, array("f", native_cpu.cross_hyper_row(h)), step_key(t))
+                r = rows[(gi, t)] = (hr, array("f", table.cross_hyper_row(h)), step_key(t))
             per.append(r)
         return per

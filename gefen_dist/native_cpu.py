@@ -231,7 +231,7 @@ class CrossTable:
     items, as flat arrays, with the buffers its sums, counts and factors land in: like
     ``StepTable``, kept by ``cpu_plan.CpuPlan`` and rewritten in place from step to step."""
 
-    COLS, HYP_COLS = 11, 4  # csrc's CrossCol; cross_hyper_row
+    COLS, HYP_COLS = 11, 4  # csrc's CrossCol; segment_table.cross_hyper_row
 
     def __init__(
         self, work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]], fold: bool = True
@@ -261,7 +261,7 @@ class CrossTable:
                     out_at + 4 * fat if whole else 0,
                 ]
             )
-            self.hyp.extend(cross_hyper_row(h))
+            self.hyp.extend(table.cross_hyper_row(h))
             if whole:
                 self.results.append((None, None, out[fat : fat + n]))
                 fat += n
@@ -287,11 +287,6 @@ class CrossTable:
             raise RuntimeError(
                 f"gefen_cpu_cross_table refused a segment: {dtype} gradient, block {block}"
             )
-
-
-def cross_hyper_row(h: Hyper) -> list[float]:
-    """beta2, 1 - beta2, sqrt(1 - beta2^t), the factor's floor: a row of the factor pass."""
-    return [h.beta2, 1.0 - h.beta2, h.bc2_sqrt, CROSS_FLOOR]
 
 
 def cross_table(

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from . import segment_table as table
-from .reference import CROSS_FLOOR, Hyper, SegmentState, cross_factor, cross_mean
+from .reference import Hyper, SegmentState, cross_factor, cross_mean
 from .segments import num_blocks
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -437,7 +437,7 @@ def cross_plan(
         ptrs = [sums.data_ptr(), counts.data_ptr(), st.v_cross.data_ptr()]
         row = [g.data_ptr(), DTYPES[g.dtype], st.start, st.numel, st.block_size, lengths[i], *ptrs]
         plan.meta.append(row + [0 if f is None else f.data_ptr(), plan.part_n, c])
-        plan.hyps.append([h.beta2, 1.0 - h.beta2, h.bc2_sqrt, CROSS_FLOOR])
+        plan.hyps.append(table.cross_hyper_row(h))
         if st.block_size > 1:
             plan.part_n += c * width
             plan.row_prefix.append(plan.row_prefix[-1] + c * -(-width // THREADS))
@@ -485,7 +485,7 @@ def factor_plan(work: list[tuple[SegmentState, Hyper, torch.Tensor, torch.Tensor
         plan.views.append((sums, counts, f))
         ptrs = [sums.data_ptr(), counts.data_ptr(), st.v_cross.data_ptr(), f.data_ptr()]
         plan.meta.append([0, 0, st.start, 0, st.block_size, n, *ptrs, 0, 0])
-        plan.hyps.append([h.beta2, 1.0 - h.beta2, h.bc2_sqrt, CROSS_FLOOR])
+        plan.hyps.append(table.cross_hyper_row(h))
     return plan
 
 

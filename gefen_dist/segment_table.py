@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .codes import step_key
-from .reference import Hyper, SegmentState
+from .reference import CROSS_FLOOR, Hyper, SegmentState
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 META_COLS = 18
@@ -69,3 +69,9 @@ def hyper_row(h: Hyper) -> list[float]:
         h.bc2_sqrt,
         h.eps,
     ]
+
+
+def cross_hyper_row(h: Hyper) -> list[float]:
+    """beta2, 1 - beta2, sqrt(1 - beta2^t), the factor's floor: a row of the factor pass, on
+    either backend."""
+    return [h.beta2, 1.0 - h.beta2, h.bc2_sqrt, CROSS_FLOOR]
