@@ -1,7 +1,5 @@
 """What the factored second moment costs a CPU step: Gefen as built against Gefen without
-``v_cross`` (the seeds' shared v), in one process, on the same parameters and gradients; and
-what folding the block v into the factor's pass over g saves: Gefen as built against the same
-maths with the kernel's own first pass ("unfolded", bit-identical results, checked).
+``v_cross`` (the seeds' shared v), in one process, on the same parameters and gradients.
 
 Separate processes are too noisy on this machine for a difference of this size (the same
 revision's demo-GPT step measured 9.7 and 17.2 ms in two runs of ``step_speed.py``), so the
@@ -45,41 +43,17 @@ def _shared(params: list[torch.nn.Parameter], bits: int):
     return opt
 
 
-def _unfolded(params: list[torch.nn.Parameter], bits: int):
-    """A Gefen whose factor pass does not step the block v, so the kernel's first pass does."""
-    from gefen_dist import Gefen, native_cpu
-
-    opt = Gefen(params, bits=bits, **HYPER)
-    real_table, real_factors = native_cpu.cross_table, opt._cross_factors
-
-    def cross_factors(items):
-        native_cpu.cross_table = lambda work: real_table(work, fold=False)
-        try:
-            out, _, cross, on_cpu = real_factors(items)
-            return out, set(), cross, on_cpu
-        finally:
-            native_cpu.cross_table = real_table
-
-    opt._cross_factors = cross_factors
-    return opt
-
-
 def measure(which: str, bits: int, rounds: int, steps: int) -> dict:
     from step_speed import make_params
 
     from gefen_dist import Gefen
 
     built = make_params(which)
-    twin, third = ([torch.nn.Parameter(p.detach().clone()) for p in built] for _ in range(2))
-    for a, b, c in zip(built, twin, third, strict=True):
-        b.grad, c.grad = a.grad.clone(), a.grad.clone()
-    opts = {
-        "factored": Gefen(built, bits=bits, **HYPER),
-        "unfolded": _unfolded(third, bits),
-        "shared": _shared(twin, bits),
-    }
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in built]
+    for a, b in zip(built, twin, strict=True):
+        b.grad = a.grad.clone()
+    opts = {"factored": Gefen(built, bits=bits, **HYPER), "shared": _shared(twin, bits)}
     opts["factored"].step()
-    opts["unfolded"].step()
     times: dict[str, list[float]] = {k: [] for k in opts}
     for _ in range(rounds):
         for name, opt in opts.items():
@@ -87,8 +61,6 @@ def measure(which: str, bits: int, rounds: int, steps: int) -> dict:
             for _ in range(steps):
                 opt.step()
             times[name].append((time.perf_counter() - t) / steps * 1e3)
-    if not all(torch.equal(a, c) for a, c in zip(built, third, strict=True)):
-        raise AssertionError("the fold changed the result: factored and unfolded differ")
     med = {k: statistics.median(v) for k, v in times.items()}
     mem = {k: o.memory_report() for k, o in opts.items()}
     return dict(
@@ -96,9 +68,7 @@ def measure(which: str, bits: int, rounds: int, steps: int) -> dict:
         bits=bits,
         factored_ms=med["factored"],
         shared_ms=med["shared"],
-        unfolded_ms=med["unfolded"],
         ratio=med["factored"] / med["shared"],
-        fold_ratio=med["factored"] / med["unfolded"],
         factored_bytes_per_param=mem["factored"]["bytes_per_param"],
         shared_bytes_per_param=mem["shared"]["bytes_per_param"],
         backend=mem["factored"]["backend"],
@@ -117,18 +87,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = []
-    print(
-        "| set | bits | as built (factored) | shared v | ratio | unfolded | as built / unfolded "
-        "| B/param factored | shared |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| set | bits | as built (factored) | shared v | ratio | B/param factored | shared |")
+    print("|---|---|---|---|---|---|---|")
     for which in args.sets.split(","):
         for bits in (int(b) for b in args.bits.split(",")):
             r = measure(which, bits, args.rounds, args.steps)
             out.append(r)
             print(
                 f"| {which} | {bits} | {r['factored_ms']:.1f} ms | {r['shared_ms']:.1f} ms | "
-                f"{r['ratio']:.2f}x | {r['unfolded_ms']:.1f} ms | {r['fold_ratio']:.2f}x | "
+                f"{r['ratio']:.2f}x | "
                 f"{r['factored_bytes_per_param']:.3f} | "
                 f"{r['shared_bytes_per_param']:.3f} |",
                 flush=True,

@@ -99,12 +99,19 @@ def alternate(steppers: list, which: str, rounds: int, feeds: list) -> list[list
     return out
 
 
-def arguments(what: str | None) -> argparse.Namespace:
+def arguments(what: str | None, method_change: bool = False) -> argparse.Namespace:
     """The options the A/B scripts and step_parts take (``--base``, the revision of ``what`` to
-    compare with, where ``what`` is given); sets torch's thread count."""
+    compare with, where ``what`` is given; ``--method-change`` where ``method_change``); sets
+    torch's thread count."""
     ap = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.split("\n")[0])
     if what is not None:
         ap.add_argument("--base", required=True, help=f"git revision of the {what} to compare with")
+    if method_change:
+        ap.add_argument(
+            "--method-change",
+            action="store_true",
+            help="the versions differ in what they compute by design: skip the identity check",
+        )
     ap.add_argument("--sets", default="gpt,100m")
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--threads", type=int, default=1)
@@ -143,7 +150,10 @@ def main() -> None:
     report(rows, a, base=a.base, isa=native_cpu.isa())
 
 
-def result_row(which: str, bits: int, base_ms: list[float], here_ms: list[float]) -> dict:
+def result_row(
+    which: str, bits: int, base_ms: list[float], here_ms: list[float], identical: bool | None = True
+) -> dict:
+    """``identical``: None where the results were not compared (``--method-change``)."""
     b, h = statistics.median(base_ms), statistics.median(here_ms)
     row = dict(
         set=which,
@@ -153,7 +163,7 @@ def result_row(which: str, bits: int, base_ms: list[float], here_ms: list[float]
         ratio=h / b,
         base_rounds=base_ms,
         here_rounds=here_ms,
-        identical=True,
+        identical=identical,
     )
     print(json.dumps(row), flush=True)
     return row

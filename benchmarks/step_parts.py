@@ -1,14 +1,15 @@
-"""Where a CPU step's time goes: the Python around the kernel, the factor's pass over g and the
-update, beside fused AdamW's whole step and torch's ``p += g`` on the same tensors, in one process.
+"""Where a CPU step's time goes: the Python around the kernel and the update, beside fused
+AdamW's whole step and torch's ``p += g`` on the same tensors, in one process.
 
 Why: what to change next depends on which part holds the gap to fused AdamW. The parts come from
-the kept tables (``cpu_plan.CpuPlan``): the factor pass's table and the update's run alone, and
-the Python is the whole step with both calls left out. Each part is timed alone, in a loop of its
+the kept tables (``cpu_plan.CpuPlan``): the update's call run alone (for tensors held whole it
+takes the factor's sums in its own read of g, so there is no factor pass to time apart), and
+the Python is the whole step with the call left out. Each part is timed alone, in a loop of its
 own, so the parts need not add up to the whole step (a part repeated finds more of its data in
-cache). ``p += g`` (``torch._foreach_add_``) reads p and g and
-writes p, the update's own traffic in parameters and gradients without its arithmetic, so its
-time is what the update would take here if only those bytes counted; fused AdamW moves m and v
-as well. Timed rounds alternate between the six, with ``kernel_ab.alternate``.
+cache). ``p += g`` (``torch._foreach_add_``) reads p and g and writes p, the update's own
+traffic in parameters and gradients without its arithmetic, so its time is what the update
+would take here if only those bytes counted; fused AdamW moves m and v as well. Timed rounds
+alternate between the five, with ``kernel_ab.alternate``.
 
     python benchmarks/step_parts.py [--sets gpt,100m] [--bits 4,8] [--threads 1]
         [--rounds 7] [--json out.json]
@@ -33,7 +34,7 @@ from step_speed import Feed, make_problem, save  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)  # step_speed.py's
-PARTS = ("gefen_step", "factor_pass", "update", "python", "adamw_fused", "p_plus_g")
+PARTS = ("gefen_step", "update", "python", "adamw_fused", "p_plus_g")
 
 
 def copies(which: str) -> tuple[list[torch.Tensor], list[torch.Tensor], Feed, Feed]:
@@ -56,28 +57,23 @@ def parts(which: str, bits: int, rounds: int) -> dict:
         feed()
         feed_other()
     plan = opt._plan
-    if plan is None:
-        sys.exit(f"{which}, {bits} bits: the step did not run on the kept C++ tables")
+    if plan is None or len(plan.cross):
+        sys.exit(f"{which}, {bits} bits: the step did not run on the kept C++ tables alone")
     grads = [p.grad for p in other]
-
-    def factor_pass():
-        plan.cross.sums.zero_()
-        plan.cross.run()
 
     @torch.no_grad()
     def p_plus_g():
         torch._foreach_add_(other, grads)
 
-    def python():  # the whole step with both kernel calls left out
-        plan.cross.run = plan.step.run = lambda: None
+    def python():  # the whole step with the kernel's call left out
+        plan.step.run = lambda: None
         try:
             opt.step()
         finally:
-            del plan.cross.run, plan.step.run  # the classes' methods again
+            del plan.step.run  # the class's method again
 
     run = dict(
         gefen_step=opt.step,
-        factor_pass=factor_pass,
         update=plan.step.run,
         python=python,
         adamw_fused=adamw.step,
@@ -105,15 +101,12 @@ def main() -> None:
         for which in a.sets.split(",")
         for bits in map(int, a.bits.split(","))
     ]
-    print(
-        "| set | bits | Gefen step | factor pass | update | Python | fused AdamW | p += g "
-        "| Gefen / AdamW |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| set | bits | Gefen step | update | Python | fused AdamW | p += g | Gefen / AdamW |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['set']} | {r['bits']} | {r['gefen_step_ms']:.2f} ms | "
-            f"{r['factor_pass_ms']:.2f} ms | {r['update_ms']:.2f} ms | {r['python_ms']:.2f} ms | "
+            f"{r['update_ms']:.2f} ms | {r['python_ms']:.2f} ms | "
             f"{r['adamw_fused_ms']:.2f} ms | {r['p_plus_g_ms']:.2f} ms | "
             f"{r['ratio_to_adamw']:.2f}x |"
         )

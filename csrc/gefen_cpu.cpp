@@ -12,6 +12,7 @@
 // second with the system compiler and does not depend on torch's C++ ABI.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -630,6 +631,72 @@ inline float update(float* buf, typename Elem<PT>::T* p, const typename Elem<GT>
                     : move<PT, GT, false, kFac>(buf, p, g, n, old, denom, sv, fac, h);
 }
 
+// reference.cross_factor's c from fp32 v_cross ``v`` (``n`` entries) into ``out`` as sqrt(max(v /
+// mean(v), floor)) / bc2; false, with nothing written, where mean(v) is not above 0. mean(v) is
+// summed in fp64 (the reference's torch.mean sums fp32 in its own order: the two agree to an
+// ulp or so).
+bool factor_from(const float* v, int64_t n, float bc2, float floor_c, float* out) {
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) total += v[i];
+  const float mean = static_cast<float>(total / static_cast<double>(n));
+  if (!(mean > 0.0f)) return false;
+  for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(std::max(v[i] / mean, floor_c)) / bc2;
+  return true;
+}
+
+// This step's mean g^2 per entry (fp64 ``sums`` over ``counts``; 0 where none) folded into v.
+void fold_cross(const double* sums, const double* counts, int64_t n, float* v, float beta2,
+                float a2) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float mean = counts[i] > 0.0 ? static_cast<float>(sums[i] / counts[i]) : 0.0f;
+    v[i] = v[i] * beta2 + a2 * mean;
+  }
+}
+
+// The factor where factor_from refused v (all zero before the fold): from the folded v, or, all
+// zero still, the floor's
+void factor_after_fold(const float* v, int64_t n, float bc2, float floor_c, float* out) {
+  if (!factor_from(v, n, bc2, floor_c, out))
+    for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(std::max(v[i], floor_c)) / bc2;
+}
+
+// A tensor's sums of g^2 per v_cross position (contiguous blocks, the tensor held whole), taken
+// in the update's own read of g rather than in a pass of their own: the chunks of
+// cross_sums (a fixed number of whole blocks each, by the shape alone) and their partials, added
+// in chunk order by whichever run finishes last, so the sums have cross_sums' bits whatever the
+// thread count. A run takes whole chunks (gefen_cpu_step), so no two threads share a partial,
+// and each partial lives from its chunk's first block to the fold, not for the whole step.
+struct Sums {
+  int64_t width, whole, tail, per, chunks;
+  std::vector<std::vector<double>> part;  // per chunk: width; the tail block's last
+  std::atomic<int> left{0};                // runs still to finish
+  float* v_cross;
+  float beta2, a2;
+  Sums(int64_t numel, int64_t block, float* v, float b2, float one_minus_b2)
+      : width(block), whole(numel / block), tail(numel % block),
+        per(std::max<int64_t>(32, (whole + 15) / 16)), chunks((whole + per - 1) / per),
+        part(chunks + 1), v_cross(v), beta2(b2), a2(one_minus_b2) {}
+  // the partial block j adds into (zeroed at the chunk's first block)
+  double* acc(int64_t j) {
+    std::vector<double>& a = part[j < whole ? j / per : chunks];
+    if (a.empty()) a.assign(width, 0.0);
+    return a.data();
+  }
+  // a run is done: the last one adds the partials in order, as cross_sums, and folds
+  void done() {
+    if (left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    std::vector<double> sums(width, 0.0), counts(width, static_cast<double>(whole));
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t j = 0; j < width; ++j) sums[j] += part[c][j];
+    for (int64_t j = 0; j < tail; ++j) {
+      sums[j] += part[chunks][j];
+      counts[j] += 1.0;
+    }
+    fold_cross(sums.data(), counts.data(), width, v_cross, beta2, a2);
+    std::vector<std::vector<double>>().swap(part);
+  }
+};
+
 // A segment's pointers and constants, read once from its table row
 struct Segment {
   void* p;
@@ -645,6 +712,8 @@ struct Segment {
   Hyper h;
   const Levels4* l4;
   const float* fac;
+  struct Sums* sums;  // this step's v_cross sums, taken in the update (contiguous blocks)
+  float* fold;        // column blocks: the v_cross columns() folds the rows' sums into
   // row block j's elements [lo, hi) of the piece; empty past its last block
   int64_t lo(int64_t j) const {
     return std::min(std::max((start / block + j) * block, start) - start, numel);
@@ -665,10 +734,20 @@ float block_move(const Segment& b, int64_t j, float* buf) {
   float vj = b.v[j];
   if (!b.v_done) {  // else cross_sums folded this step's mean g^2 into v
     double s = 0.0;
+    if (b.sums) {  // and the v_cross sums: lo is a multiple of the block, so position i is i
+      double* __restrict acc = b.sums->acc(j);
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; ++i) {
-      const double x = Elem<GT>::get(gb[i]);
-      s += x * x;
+      for (int64_t i = 0; i < n; ++i) {
+        const double x = Elem<GT>::get(gb[i]);
+        acc[i] += x * x;
+        s += x * x;
+      }
+    } else {
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < n; ++i) {
+        const double x = Elem<GT>::get(gb[i]);
+        s += x * x;
+      }
     }
     vj = ema_mean_sq(b.v[j], s, static_cast<double>(n), h.beta2, h.a2);
     b.v[j] = vj;
@@ -716,15 +795,18 @@ void block_run(const Segment& b, int64_t j0, int64_t j1, float* buf, float* othe
 }
 
 // One row of a column segment, pass 1: g^2 into the column sums (double; its own loop, as the
-// mixed-width loop did not vectorise) and |m| into the column maxima
-template <int GT, bool kLow>
-inline void column_stats(const float* __restrict buf, const typename Elem<GT>::T* __restrict g,
-                         const float* __restrict absmax, double* __restrict s,
-                         float* __restrict mx, int64_t n, float w) {
-#pragma omp simd
+// mixed-width loop did not vectorise) and |m| into the column maxima; with kRow, returns the
+// row's own sum of g^2 (its v_cross entry's)
+template <int GT, bool kLow, bool kRow>
+inline double column_stats(const float* __restrict buf, const typename Elem<GT>::T* __restrict g,
+                           const float* __restrict absmax, double* __restrict s,
+                           float* __restrict mx, int64_t n, float w) {
+  double row = 0.0;
+#pragma omp simd reduction(+ : row)
   for (int64_t k = 0; k < n; ++k) {
     const double x = Elem<GT>::get(g[k]);
     s[k] += x * x;
+    if constexpr (kRow) row += x * x;
   }
   const float w1 = 1.0f - w;
 #pragma omp simd
@@ -733,6 +815,7 @@ inline void column_stats(const float* __restrict buf, const typename Elem<GT>::T
     const float cur = mx[k];
     mx[k] = cur < a ? a : cur;  // std::max on the array element kept GCC from vectorising
   }
+  return row;
 }
 
 // Pass 2: the same m again, into buf, and the parameter step with each column's denominator
@@ -779,6 +862,8 @@ void columns(const Segment& sg, int threads) {
   const int64_t chunks = (rows + per - 1) / per;
   std::vector<double> sums(chunks * nb, 0.0);
   std::vector<float> maxes(chunks * nb, 0.0f);
+  // with ``fold`` (a tensor held whole: its rows are the view's), each row's sum of g^2
+  std::vector<double> row_sums(sg.fold ? rows : 0);
 #pragma omp parallel num_threads(std::max(threads, 1)) if (threads > 1 && chunks > 1)
   {
     std::vector<float> buf(nb);
@@ -789,12 +874,23 @@ void columns(const Segment& sg, int threads) {
       for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
         const int64_t lo = r * period, hi = std::min(lo + period, numel);
         decode(sg.codes, lo, hi, four, sg.levels, sg.l4, buf.data());
-        if (h.w < 0.5f)
-          column_stats<GT, true>(buf.data(), gt + lo, absmax, s, mx, hi - lo, h.w);
+        const float* b = buf.data();
+        if (sg.fold)
+          row_sums[r] =
+              h.w < 0.5f ? column_stats<GT, true, true>(b, gt + lo, absmax, s, mx, hi - lo, h.w)
+                         : column_stats<GT, false, true>(b, gt + lo, absmax, s, mx, hi - lo, h.w);
+        else if (h.w < 0.5f)
+          column_stats<GT, true, false>(b, gt + lo, absmax, s, mx, hi - lo, h.w);
         else
-          column_stats<GT, false>(buf.data(), gt + lo, absmax, s, mx, hi - lo, h.w);
+          column_stats<GT, false, false>(b, gt + lo, absmax, s, mx, hi - lo, h.w);
       }
     }
+  }
+  if (sg.fold) {  // this step's row means into v_cross (the factor came from it before the step)
+    std::vector<double> counts(rows);
+    for (int64_t r = 0; r < rows; ++r)
+      counts[r] = static_cast<double>(std::min(period, numel - r * period));
+    fold_cross(row_sums.data(), counts.data(), rows, sg.fold, h.beta2, h.a2);
   }
   std::vector<float> denom(nb), amax(nb), scale(nb);
   for (int64_t k = 0; k < nb; ++k) {
@@ -886,7 +982,7 @@ void dense_range(void* p, const void* g, uint16_t* m, uint16_t* v, int64_t lo, i
 // The segment table's columns, as csrc/gefen_cuda.h (one table format for both backends).
 enum Meta : int {
   kP = 0, kG, kCodes, kAbsmax, kV, kLevels, kMids, kStart, kNumel, kBlock, kBits, kPDtype,
-  kGDtype, kExpAvg, kExpAvgSq, kNLevels, kStepKey, kFactor, kMetaCols
+  kGDtype, kExpAvg, kExpAvgSq, kNLevels, kStepKey, kFactor, kVCross, kMetaCols
 };
 constexpr int kHypCols = 8;
 constexpr int64_t kDenseTile = 16384;
@@ -1111,6 +1207,18 @@ void cross_sums(const void* gv, int64_t start, int64_t numel, int64_t block, dou
   }
 }
 
+// cross_sums for a g of dtype ``gdt``: false for one it refuses
+bool cross_sums_of(int gdt, const void* g, int64_t start, int64_t numel, int64_t block,
+                   double* sums, double* counts, int threads, float* v, float beta2, float a2) {
+  switch (gdt) {
+    case F32: cross_sums<F32>(g, start, numel, block, sums, counts, threads, v, beta2, a2); break;
+    case BF16: cross_sums<BF16>(g, start, numel, block, sums, counts, threads, v, beta2, a2); break;
+    case F16: cross_sums<F16>(g, start, numel, block, sums, counts, threads, v, beta2, a2); break;
+    default: return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1145,10 +1253,14 @@ void gefen_cpu_count_steps(const int64_t* addrs, int n, float* out) {
 // (n_seg x 8 fp32: beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t),
 // sqrt(1 - beta2^t), eps), ``v_done`` (n_seg flags, or null: 1 where gefen_cpu_cross_sums has
 // folded this step's g^2 into the segment's v, contiguous blocks only). Blocks and dense tiles of
-// every segment share the threads. Returns 0,
-// or -(row + 1) for a row whose dtypes, bits or block size it refuses (nothing is written then).
+// every segment share the threads. A row with kVCross (a tensor held whole, B != 1, and a
+// kFactor buffer of its v_cross entries) gets its factor from v_cross as the steps before left
+// it, with ``floor_c``, and this step's sums folded in after, taken in the update's own read of
+// g (reference.cross_factor); where v_cross is all zero (a first step), a pass over g gives the
+// sums first and the factor comes from the fold. Returns 0, or -(row + 1) for a row whose
+// dtypes, bits, block size or v_cross it refuses (nothing is written then).
 int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done, int n_seg,
-                   int threads) {
+                   int threads, float floor_c) {
   std::vector<Prep> prep(n_seg);
   // one Levels4 or Levels8 per codebook (a model's segments share one), not one per segment
   std::vector<std::pair<const float*, std::unique_ptr<Levels4>>> books;
@@ -1173,19 +1285,15 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done,
     std::memcpy(&h, hyp + static_cast<int64_t>(s) * kHypCols, sizeof(Hyper));
     const int64_t numel = m[kNumel], block = m[kBlock], bits = m[kBits];
     if (!pick(static_cast<int>(m[kPDtype]), static_cast<int>(m[kGDtype]), r.fn) ||
-        block == 0 || numel < 0 || (block != 1 && bits != 4 && bits != 8))
+        block == 0 || numel < 0 || (block != 1 && bits != 4 && bits != 8) ||
+        (m[kVCross] && (block == 1 || m[kStart] != 0 || !m[kFactor] || (v_done && v_done[s]))))
       return -(s + 1);
     const bool four = bits == 4;
     const float* levels = reinterpret_cast<const float*>(m[kLevels]);
     const Levels4* l4 = nullptr;
     const Levels8* l8 = nullptr;
     int n_mids = 0;
-    int64_t items = 0;
-    bool serial = false;
-    if (numel == 0) {
-    } else if (block == 1) {
-      items = (numel + kDenseTile - 1) / kDenseTile;
-    } else {
+    if (numel > 0 && block != 1) {
       n_mids = static_cast<int>(m[kNLevels]) - 1;
       if (n_mids + 1 != (four ? 16 : 256)) return -(s + 1);
       if (four) {  // stochastic rounding works on the levels; midpoints are for 8 bits
@@ -1194,20 +1302,49 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done,
         const auto* mids = reinterpret_cast<const float*>(m[kMids]);
         l8 = per_codebook(tables, levels, [&](Levels8& l) { levels8(mids, n_mids, l); });
       }
-      if (block > 0) {  // column segments run after the others, each with all the threads
-        items = (m[kStart] + numel - 1) / block - m[kStart] / block + 1;
-        // at 4 bits two blocks share a byte when a boundary falls on an odd element
-        serial = four && ((block & 1) || (m[kStart] & 1));
-        width = std::max(width, std::min(block, numel));
-      }
+      if (block > 0) width = std::max(width, std::min(block, numel));
     }
     r.b = Segment{reinterpret_cast<void*>(m[kP]), reinterpret_cast<const void*>(m[kG]),
                   reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
                   reinterpret_cast<float*>(m[kV]), levels, l8, m[kStart], numel, block, four,
                   v_done && v_done[s], static_cast<uint32_t>(m[kStepKey]), h, l4,
-                  reinterpret_cast<const float*>(m[kFactor])};
-    const int64_t step = serial ? items : (items + team - 1) / team;
+                  reinterpret_cast<const float*>(m[kFactor]), nullptr, nullptr};
+  }
+  // the rows are sound: the factors, and where their sums come from
+  std::vector<std::unique_ptr<Sums>> sums;
+  for (int s = 0; s < n_seg; ++s) {
+    Segment& b = prep[s].b;
+    const int64_t* m = prep[s].m;
+    auto* vx = reinterpret_cast<float*>(m[kVCross]);
+    if (!vx || b.numel == 0) continue;
+    const int64_t length = b.block > 0 ? b.block : (b.numel - b.block - 1) / -b.block;
+    auto* out = reinterpret_cast<float*>(m[kFactor]);
+    if (factor_from(vx, length, b.h.bc2, floor_c, out)) {
+      if (b.block > 0) {
+        sums.push_back(std::make_unique<Sums>(b.numel, b.block, vx, b.h.beta2, b.h.a2));
+        b.sums = sums.back().get();
+      } else {
+        b.fold = vx;
+      }
+    } else {
+      std::vector<double> sc(2 * length, 0.0);
+      cross_sums_of(static_cast<int>(m[kGDtype]), b.g, 0, b.numel, b.block, sc.data(),
+                    sc.data() + length, threads, nullptr, 0.0f, 0.0f);
+      fold_cross(sc.data(), sc.data() + length, length, vx, b.h.beta2, b.h.a2);
+      factor_after_fold(vx, length, b.h.bc2, floor_c, out);
+    }
+  }
+  for (int s = 0; s < n_seg; ++s) {  // column segments run after the others, each with all threads
+    const Segment& b = prep[s].b;
+    if (b.numel == 0 || b.block < 0) continue;
+    const int64_t items = b.block == 1 ? (b.numel + kDenseTile - 1) / kDenseTile
+                                       : (b.start + b.numel - 1) / b.block - b.start / b.block + 1;
+    // at 4 bits two blocks share a byte when a boundary falls on an odd element
+    const bool serial = b.block > 1 && b.four && ((b.block & 1) || (b.start & 1));
+    int64_t step = serial ? items : (items + team - 1) / team;
+    if (b.sums) step = (step + b.sums->per - 1) / b.sums->per * b.sums->per;  // whole chunks
     for (int64_t j = 0; j < items; j += step) runs.push_back({s, j, std::min(items, j + step)});
+    if (b.sums) b.sums->left = static_cast<int>((items + step - 1) / step);
   }
   const int64_t total = static_cast<int64_t>(runs.size());
 #pragma omp parallel num_threads(team) if (team > 1 && total > 1)
@@ -1229,6 +1366,7 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done,
         }
       } else {
         r.fn.block(r.b, run.j0, run.j1, buf.data(), other.data(), idx.data());
+        if (r.b.sums) r.b.sums->done();
       }
     }
   }
@@ -1246,35 +1384,19 @@ int gefen_cpu_cross_sums(const void* g, int g_dtype, int64_t start, int64_t nume
                          double* sums, double* counts, int threads, float* v, float beta2,
                          float a2) {
   if (v && block < 0) return -1;
-  auto run = [&](auto fn) {
-    fn(g, start, numel, block, sums, counts, threads, v, beta2, a2);
-    return 0;
-  };
-  switch (g_dtype) {
-    case F32: return run(cross_sums<F32>);
-    case BF16: return run(cross_sums<BF16>);
-    case F16: return run(cross_sums<F16>);
-    default: return -1;
-  }
+  return cross_sums_of(g_dtype, g, start, numel, block, sums, counts, threads, v, beta2, a2) ? 0
+                                                                                            : -1;
 }
 
-// reference.cross_mean and reference.cross_factor of one tensor: from ``sums`` and ``counts``
-// (fp64, ``n`` entries; an entry no element reached gets a mean of 0), fold this step's mean g^2
-// into ``v`` (fp32 v_cross, in place: v * beta2 + a2 * mean) and write sqrt(max(v / mean(v),
-// floor)) / bc2 per entry into ``out``. mean(v) is summed in fp64 (the reference's torch.mean
-// sums fp32 in its own order: the two agree to an ulp or so).
+// reference.cross_mean and reference.cross_factor of one tensor: the factor into ``out`` from
+// fp32 v_cross ``v`` as the steps before left it, then this step's mean g^2 from ``sums`` and
+// ``counts`` (fp64, ``n`` entries) folded into v in place; where v was all zero, the fold first
+// and the factor from it.
 void gefen_cpu_cross_factor(const double* sums, const double* counts, int64_t n, float* v,
                             float beta2, float a2, float bc2, float floor_c, float* out) {
-  double total = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float mean = counts[i] > 0.0 ? static_cast<float>(sums[i] / counts[i]) : 0.0f;
-    const float vi = v[i] * beta2 + a2 * mean;
-    v[i] = vi;
-    total += vi;
-  }
-  float mean = static_cast<float>(total / static_cast<double>(n));
-  if (!(mean > 0.0f)) mean = 1.0f;
-  for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(std::max(v[i] / mean, floor_c)) / bc2;
+  const bool lagged = factor_from(v, n, bc2, floor_c, out);
+  fold_cross(sums, counts, n, v, beta2, a2);
+  if (!lagged) factor_after_fold(v, n, bc2, floor_c, out);
 }
 
 // The factor pass of every factored segment of a step in one call: ``meta`` (n_seg x

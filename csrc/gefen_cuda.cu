@@ -611,14 +611,23 @@ __global__ void __launch_bounds__(kThreads) cross_factor_kernel(const int64_t* _
   const double* counts = reinterpret_cast<const double*>(m[kXCounts]);
   float* v = reinterpret_cast<float*>(m[kXVCross]);
   const int64_t n = m[kXLength];
+  // the factor from v_cross as the steps before left it, then the fold (reference.cross_factor)
   double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) acc += v[i];
+  const float before = static_cast<float>(team_sum<kThreads>(acc, s_sum) / static_cast<double>(n));
+  const bool lagged = before > 0.0f;  // uniform over the thread block
+  double folded = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const float vi = v[i];
+    if (lagged) out[i] = __fdiv_rn(sqrtf(fmaxf(__fdiv_rn(vi, before), h[3])), h[2]);
     const float mean = counts[i] > 0.0 ? static_cast<float>(sums[i] / counts[i]) : 0.0f;
-    const float vi = __fadd_rn(__fmul_rn(v[i], h[0]), __fmul_rn(h[1], mean));
-    v[i] = vi;
-    acc += vi;
+    const float nv = __fadd_rn(__fmul_rn(vi, h[0]), __fmul_rn(h[1], mean));
+    v[i] = nv;
+    folded += nv;
   }
-  float mean = static_cast<float>(team_sum<kThreads>(acc, s_sum) / static_cast<double>(n));
+  if (lagged) return;
+  // v_cross was all zero (the first step): the factor from this step's fold
+  float mean = static_cast<float>(team_sum<kThreads>(folded, s_sum) / static_cast<double>(n));
   if (!(mean > 0.0f)) mean = 1.0f;
   for (int64_t i = threadIdx.x; i < n; i += kThreads)
     out[i] = __fdiv_rn(sqrtf(fmaxf(__fdiv_rn(v[i], mean), h[3])), h[2]);

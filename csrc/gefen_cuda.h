@@ -29,7 +29,10 @@ enum Meta : int {
   kNLevels,       // 16 or 256
   kStepKey,       // codes.step_key(step): 4-bit stochastic rounding's per-step hash
   kFactor,        // fp32 reference.cross_factor of the segment (B != 1), or 0 for none
-  kMetaCols = 18
+  kVCross,        // CPU kernel only (0 here): fp32 v_cross of a tensor held whole, from which
+                  // the kernel writes the factor into kFactor, and into which it folds the
+                  // sums it takes in the update (reference.cross_factor)
+  kMetaCols = 19
 };
 
 // One row of the per-segment hyperparameters (fp32), computed on the host from the group's lr,
@@ -92,7 +95,8 @@ cudaError_t launch_columns(const int64_t* meta, const float* hyp, const int64_t*
 // ``row_prefix`` counts each row's chunks x tiles of 256 positions, ``pos_prefix`` its positions.
 // Column rows: a warp per tensor row; ``col_prefix`` counts each one's rows. Sums and counts
 // (fp64, kXLength entries each) must be zero where the piece has no elements; entries are
-// written, not added to. Where kXOut is set, v_cross is folded and the factor written there.
+// written, not added to. Where kXOut is set, the factor is written there from v_cross as the
+// steps before left it (from the fold where that is all zero), and v_cross is folded.
 enum Cross : int {
   kXG = 0,    // gradient piece (dtype kXGDtype)
   kXGDtype,   // 0 fp32, 1 bf16, 2 fp16

@@ -1,6 +1,7 @@
 """The C++ CPU step's tables, kept from one step to the next (``kept_plan`` says why and what
 must hold). Here: the rewrite of the update's table (``native_cpu.StepTable``) and the factor
-pass's (``native_cpu.CrossTable``), flat arrays the C++ calls read by address, and the calls.
+pass's (``native_cpu.CrossTable``, empty where every factored tensor is held whole: the update
+takes those tensors' sums itself), flat arrays the C++ calls read by address, and the calls.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class CpuPlan(KeptPlan):
         for r, (k, off) in enumerate(self.cross_rows):
             cmeta[r * ccols] = addr[k][1] + off * self.sizes[k][1]
             chyp[r * chc : (r + 1) * chc] = per[k][1]
-        self.cross.sums.zero_()
-        self.cross.run()
+        if len(self.cross):
+            self.cross.sums.zero_()
+            self.cross.run()
         self.step.run()
         return True

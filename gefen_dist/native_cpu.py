@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import segment_table as table
-from .reference import CROSS_FLOOR, Hyper, SegmentState, local_factor
+from .reference import CROSS_FLOOR, Hyper, SegmentState, cross_length, local_factor
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "gefen_cpu.cpp"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
@@ -80,7 +80,7 @@ def _build() -> ctypes.CDLL:
             os.replace(out, lib)  # atomic: concurrent ranks building at once all end the same
     dll = ctypes.CDLL(str(lib))
     P, I32 = ctypes.c_void_p, ctypes.c_int
-    dll.gefen_cpu_step.argtypes = [P, P, P, I32, I32]
+    dll.gefen_cpu_step.argtypes = [P, P, P, I32, I32, ctypes.c_float]
     dll.gefen_cpu_step.restype = I32
     dll.gefen_cpu_isa.restype = I32
     I64 = ctypes.c_int64
@@ -142,10 +142,16 @@ class StepTable:
         for i, (p, g, st, h, levels, mids, bits, *given) in enumerate(work):
             if st.numel == 0:
                 continue
-            f = given[0] if given else local_factor(g, st, h)
+            f = given[0] if given else None
+            fused = None
+            if f is None and fuses(st, g):
+                f = torch.empty_like(st.v_cross)  # the kernel writes it, and folds v_cross
+                fused = st.v_cross
+            elif f is None:
+                f = local_factor(g, st, h)
             self.done.append(1 if len(given) > 1 and given[1] else 0)
             self.keep.append(f)
-            self.meta.extend(table.row(p, g, st, levels, mids, bits, h.step, f))
+            self.meta.extend(table.row(p, g, st, levels, mids, bits, h.step, f, fused))
             hrow = hrows.get(id(h))
             if hrow is None:
                 hrow = hrows[id(h)] = table.hyper_row(h)
@@ -164,16 +170,37 @@ class StepTable:
             self.done.buffer_info()[0],
             len(self),
             torch.get_num_threads(),
+            CROSS_FLOOR,
         )
         if rc != 0:
             bad = self.meta[(-rc - 1) * table.META_COLS : -rc * table.META_COLS].tolist()
             raise RuntimeError(f"gefen_cpu_step refused a segment (dtypes, bits or block): {bad}")
 
 
+def fuses(st: SegmentState, g: torch.Tensor) -> bool:
+    """Whether the kernel takes the segment's factor pass itself: a factored segment that starts
+    its tensor and whose v_cross its own elements fill (a tensor held whole: the optimizer gives
+    every piece of a tensor spread over ranks its factor), fp32 on the CPU. Other pieces a
+    caller steps alone get ``local_factor``."""
+    vx = st.v_cross
+    return (
+        vx is not None
+        and vx.numel() > 0
+        and st.start == 0
+        and st.block_size != 1
+        and vx.numel() == cross_length(st.block_size, st.numel)
+        and vx.dtype == torch.float32
+        and vx.is_contiguous()
+        and vx.device.type == "cpu"
+    )
+
+
 def step(work: list[tuple]) -> StepTable:
     """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor[, v_done]]) in one
     call: blocks and dense tiles of all segments share the threads. Contiguous CPU tensors.
-    ``factor``: the segment's ``reference.cross_factor`` this step; without it, its
+    ``factor``: the segment's ``reference.cross_factor`` this step; without it (or None), the
+    kernel's own for a segment that starts its tensor (the factor from v_cross, the sums taken
+    in the update's read of g and folded after: one pass over g fewer), else its
     ``local_factor``. ``v_done``: ``cross_sums`` has folded this step's g^2 into the segment's v
     (contiguous blocks), so the kernel does not. Returns the table it ran."""
     t = StepTable(work)

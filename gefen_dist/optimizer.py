@@ -435,8 +435,9 @@ class Gefen(Optimizer):
     def _cross_factors(
         self, items: list[tuple]
     ) -> tuple[list[torch.Tensor | None], set[int], native_cpu.CrossTable, list[int], dict]:
-        """This step's ``reference.cross_factor`` per segment (None where it has none): from the
-        segment's own g where it holds its whole tensor; from the sums over every rank's piece
+        """This step's ``reference.cross_factor`` per segment (None where it has none, or where
+        the C++ step takes it itself): from the segment's own g where it holds its whole tensor;
+        from the sums over every rank's piece
         where the tensor is spread, all such tensors in one all-reduce, so each rank takes the
         single-process step. Every rank reduces the whole table, zeros for tensors it does not
         step in this call: ZeRO steps one group at a time, all ranks the same group. Also the
@@ -457,8 +458,15 @@ class Gefen(Optimizer):
             if name is not None and (buf is None or name not in slots):
                 raise RuntimeError(f"tensor {name!r} is spread over ranks but has no cross slot")
             factored.append(i)
-        on_cpu = [i for i in factored if items[i][0] == "cpu"]
-        # one C++ call for all: sums, v folded, whole tensors' factors
+        # a tensor held whole on the C++ kernel: the step's own call gives its factor and takes
+        # its sums in the update (native_cpu.step); the rest in one C++ call for all (sums, v
+        # folded, whole tensors' factors)
+        on_cpu = [
+            i
+            for i in factored
+            if items[i][0] == "cpu"
+            and not (items[i][8] is None and native_cpu.fuses(items[i][3], items[i][2]))
+        ]
         cross = native_cpu.cross_table(
             [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on_cpu]
         )
@@ -483,6 +491,8 @@ class Gefen(Optimizer):
         for i in factored:
             impl, _, g, seg, h, _, _, _, name = items[i]
             length = seg.v_cross.numel()
+            if impl == "cpu" and i not in cpu_sums:
+                continue
             if impl == "cpu":
                 sums, counts, f = cpu_sums[i]
                 if seg.block_size > 1:

@@ -25,11 +25,20 @@ Adafactor's rank-1 fit of v, with Gefen's block v as one factor. Why: one v per 
 how g^2 varies across a block (an input feature's scale, along every row), and that cost 3-7 %
 validation loss on the suite's language models (README, "One-axis sharing"); c costs at
 most 4 / MIN_CROSS_BLOCKS bytes per parameter, ~0.01 on the suite's language models. c is a
-ratio, so it needs no bias correction, and a v_cross that starts from zeros (a checkpoint saved
-before it existed) is exact again after one step. CROSS_FLOOR bounds how far a position that has
-seen (almost) no gradient can shrink its denominator: there the quantised m keeps an error of up
-to a level spacing times the block's absmax, which an exact m would not have, and
+ratio, so it needs no bias correction. CROSS_FLOOR bounds how far a position that has seen
+(almost) no gradient can shrink its denominator: there the quantised m keeps an error of up to
+a level spacing times the block's absmax, which an exact m would not have, and
 1 / sqrt(CROSS_FLOOR) = 10 caps how much c can amplify it.
+
+c comes from v_cross as the steps before this one left it; this step's mean g^2 is folded in
+after. Why a step late: this step's own sums over every block at a position need a whole pass
+over g before the first parameter may move, a pass that took a quarter of a 100M-parameter CPU
+step (README, "Where the step's time goes"); a step late, the C++ kernel takes the sums in the
+update's own read of g (the CUDA kernels still take them in a pass of their own). What the lag
+changes: c is a ratio of EMAs, each step moving v_cross by (1 - b2) of the way to that step's
+mean g^2; the factor a step sees lacks only its own step's share. Where v_cross is still all zero
+(the first step, or a state saved before v_cross existed, which loads as zeros) c comes from
+this step's fold instead, as it would have without the lag, so no step runs without the factor.
 
 v_cross belongs to the tensor, not to a piece: positions and rows are the tensor's, and a tensor
 spread over ranks (FSDP, ZeRO) has its per-entry sums of g^2 (``cross_sums``) added over the
@@ -200,12 +209,17 @@ def cross_mean(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 
 def cross_factor(st: SegmentState, h: Hyper, mean_sq: torch.Tensor) -> torch.Tensor:
-    """Fold this step's mean g^2 per entry into ``st.v_cross`` and return sqrt(c) / sqrt(1 -
-    b2^t) per entry (module docstring). Every rank holding a piece of the tensor gets the same
-    ``mean_sq`` (the optimizer sums ``cross_sums`` over them), hence the same v_cross."""
+    """sqrt(c) / sqrt(1 - b2^t) per entry (module docstring), c from ``st.v_cross`` as the steps
+    before this one left it, or, where those left it all zero, from this step's fold; then this
+    step's mean g^2 per entry folded into ``st.v_cross``. Every rank holding a piece of the
+    tensor gets the same ``mean_sq`` (the optimizer sums ``cross_sums`` over them), hence the
+    same v_cross."""
+    before = st.v_cross.mean()
+    c = st.v_cross / torch.where(before > 0, before, torch.ones_like(before))
     st.v_cross.mul_(h.beta2).add_(mean_sq, alpha=1.0 - h.beta2)
     total = st.v_cross.mean()
-    c = st.v_cross / torch.where(total > 0, total, torch.ones_like(total))
+    first = st.v_cross / torch.where(total > 0, total, torch.ones_like(total))
+    c = torch.where(before > 0, c, first)
     return c.clamp_(min=CROSS_FLOOR).sqrt_().div_(h.bc2_sqrt)
 
 

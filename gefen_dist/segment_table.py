@@ -17,9 +17,10 @@ from .codes import step_key
 from .reference import CROSS_FLOOR, Hyper, SegmentState
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-META_COLS = 18
+META_COLS = 19
 HYP_COLS = 8
 P_COL, G_COL, KEY_COL = 0, 1, 16  # what changes between two steps of the same tensors
+FACTOR_COL, V_CROSS_COL = 17, 18
 
 
 def row(
@@ -31,8 +32,10 @@ def row(
     bits: int,
     step: int,
     factor: torch.Tensor | None = None,
+    v_cross: torch.Tensor | None = None,
 ) -> list[int]:
-    """``factor``: this step's ``reference.cross_factor`` of the segment, or None."""
+    """``factor``: this step's ``reference.cross_factor`` of the segment, or None; with
+    ``v_cross`` (the CPU kernel only), the buffer the kernel writes it into from v_cross."""
     blocked = st.block_size != 1
     return [
         p.data_ptr(),
@@ -53,6 +56,7 @@ def row(
         levels.numel() if blocked else 0,
         step_key(step),
         0 if factor is None else factor.data_ptr(),
+        0 if v_cross is None else v_cross.data_ptr(),
     ]
 
 

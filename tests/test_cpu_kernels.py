@@ -593,3 +593,138 @@ def test_native_cross_table_refuses_a_b1_segment_and_writes_nothing():
     with pytest.raises(RuntimeError, match="refused a segment: torch.float32 gradient, block 1"):
         native_cpu.cross_table([(g, st, h, True), (torch.zeros(64), bad, h, True)])
     assert torch.equal(st.v, v0)
+
+
+def _factored(numel, block, bits, seed):
+    """A segment holding its whole tensor, with v_cross still zero (a first step)."""
+    from gefen_dist import reference
+
+    blocks = -(-numel // abs(block)) if block > 0 else abs(block)
+    codes = torch.zeros(-(-numel // 2) if bits == 4 else numel, dtype=torch.uint8)
+    return reference.SegmentState(
+        0,
+        numel,
+        block,
+        codes=codes,
+        absmax=torch.zeros(blocks),
+        v=torch.zeros(blocks),
+        v_cross=torch.zeros(reference.cross_length(block, numel)),
+    )
+
+
+def _clone_state(st):
+    from gefen_dist import reference
+
+    return reference.SegmentState(
+        st.start,
+        st.numel,
+        st.block_size,
+        codes=st.codes.clone(),
+        absmax=st.absmax.clone(),
+        v=st.v.clone(),
+        v_cross=st.v_cross.clone(),
+    )
+
+
+# numel, block, bits, g dtype: chunks of 32 rows and a tail block; an odd block at 4 bits (one
+# run); under 32 rows (one chunk); bf16 and fp16 g
+FUSED = [
+    (96 * 300 + 50, 96, 4, torch.float32),
+    (97 * 70, 97, 4, torch.bfloat16),
+    (64 * 20, 64, 8, torch.float32),
+    (128 * 600 + 3, 128, 8, torch.float16),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("numel, block, bits, gdtype", FUSED)
+def test_the_step_takes_a_whole_tensors_factor_pass_in_its_update(
+    numel, block, bits, gdtype, threads
+):
+    """Given no factor, the step takes a whole tensor's v_cross sums in the update's own read of
+    g (contiguous blocks) and gives, bit for bit, what the separate pass gives: parameters,
+    codes, absmax, v, v_cross over four steps, the first from a zero v_cross (the factor from
+    that step's own sums), whatever the thread count."""
+    from gefen_dist import native_cpu, reference
+
+    levels = torch.sort(torch.cat([torch.tensor([-1.0, 1.0]), torch.rand(2**bits - 2) * 2 - 1]))[0]
+    mids = midpoints(levels)
+    st = _factored(numel, block, bits, 0)
+    twin = _clone_state(st)
+    gen = torch.Generator().manual_seed(3)
+    p = torch.randn(numel, generator=gen)
+    q = p.clone()
+    torch.set_num_threads(threads)
+    try:
+        for t in range(1, 5):
+            rows = torch.exp(torch.randn(block, generator=gen))  # positions of different scales
+            g = (torch.randn(numel, generator=gen) * rows.repeat(-(-numel // block))[:numel]).to(
+                gdtype
+            )
+            h = reference.Hyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=t)
+            table = native_cpu.step([(p, g, st, h, levels, mids, bits)])
+            assert table.meta[native_cpu.table.V_CROSS_COL] == st.v_cross.data_ptr()
+            sums, counts = native_cpu.cross_sums(g, 0, block, twin.v_cross.numel())
+            f = native_cpu.cross_factor(twin, h, sums, counts)
+            native_cpu.step([(q, g, twin, h, levels, mids, bits, f, False)])
+            assert torch.equal(st.v_cross, twin.v_cross), t
+            assert torch.equal(table.keep[0], f), t
+            for name in ("codes", "absmax", "v"):
+                assert torch.equal(getattr(st, name), getattr(twin, name)), (t, name)
+            assert torch.equal(p, q), t
+    finally:
+        torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_step_takes_a_whole_column_tensors_row_sums_in_its_first_pass(bits):
+    """Column blocks: the rows' sums of g^2 come from the first pass over the rows, in an order
+    of their own, so against the separate pass they agree to fp64 rounding in v_cross, and the
+    factor (from the step before) to an ulp; over four steps the parameters stay within the
+    reference's tolerance."""
+    from gefen_dist import native_cpu, reference
+
+    levels = torch.sort(torch.cat([torch.tensor([-1.0, 1.0]), torch.rand(2**bits - 2) * 2 - 1]))[0]
+    mids = midpoints(levels)
+    numel, block = 96 * 40 + 17, -96
+    st = _factored(numel, block, bits, 0)
+    twin = _clone_state(st)
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(numel, generator=gen)
+    q = p.clone()
+    rows = torch.exp(torch.randn(-(-numel // 96), generator=gen))
+    for t in range(1, 5):
+        g = torch.randn(numel, generator=gen) * rows.repeat_interleave(96)[:numel]
+        h = reference.Hyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=t)
+        table = native_cpu.step([(p, g, st, h, levels, mids, bits)])
+        sums, counts = native_cpu.cross_sums(g, 0, block, twin.v_cross.numel())
+        f = native_cpu.cross_factor(twin, h, sums, counts)
+        native_cpu.step([(q, g, twin, h, levels, mids, bits, f, False)])
+        torch.testing.assert_close(table.keep[0], f, rtol=2e-7, atol=0)
+        torch.testing.assert_close(st.v_cross, twin.v_cross, rtol=2e-7, atol=0)
+        assert st.v_cross.gt(0).all() and (table.keep[0] - f).abs().max() < 1e-5
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_refused_fused_row_writes_nothing():
+    """A row asking the kernel for its factor pass that it cannot take (a piece starting
+    inside its tensor) is refused before any v_cross, factor or parameter moves."""
+    from gefen_dist import native_cpu, reference
+
+    levels = torch.linspace(-1, 1, 16)
+    mids = midpoints(levels)
+    h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
+    good = _factored(64 * 20, 64, 4, 0)
+    bad = _factored(64 * 20, 64, 4, 0)
+    bad.start = 64
+    ps = [torch.zeros(64 * 20), torch.zeros(64 * 20)]
+    g = torch.ones(64 * 20)
+    t = native_cpu.StepTable([(ps[0], g, good, h, levels, mids, 4)])
+    t.meta.extend(
+        native_cpu.table.row(ps[1], g, bad, levels, mids, 4, 1, torch.empty(64), bad.v_cross)
+    )
+    t.hyp.extend(native_cpu.table.hyper_row(h))
+    t.done.append(0)
+    with pytest.raises(RuntimeError, match="refused a segment"):
+        t.run()
+    assert not ps[0].any() and not good.v_cross.any() and not good.v.any()

@@ -83,12 +83,16 @@ def emulate(plan: native_cuda.CrossPlan, tensors: dict[int, torch.Tensor]) -> No
         if not m[OUT]:
             continue
         sums, counts, v = (tensors[m[k]] for k in (SUMS, COUNTS, V_CROSS))
+        before = (v.double().sum() / m[LENGTH]).float()
+        if before > 0:  # the factor from v_cross as the steps before left it
+            tensors[m[OUT]].copy_((v / before).clamp(min=h[3]).sqrt() / torch.tensor(h[2]))
         mean = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).float()
         v.copy_(v * h[0] + torch.tensor(h[1]) * mean)
+        if before > 0:
+            continue
         total = (v.double().sum() / m[LENGTH]).float()
         total = total if total > 0 else torch.tensor(1.0)
-        fac = (v / total).clamp(min=h[3]).sqrt() / torch.tensor(h[2])
-        tensors[m[OUT]].copy_(fac)
+        tensors[m[OUT]].copy_((v / total).clamp(min=h[3]).sqrt() / torch.tensor(h[2]))
 
 
 def _pieces(specs, seed=0):
@@ -131,6 +135,7 @@ LAYOUTS = [
 def test_cross_plan_and_kernels_give_the_reference_sums_and_factors(monkeypatch, budget, chunks):
     monkeypatch.setattr(native_cuda, "CROSS_PART_BYTES", budget)
     work = _pieces(LAYOUTS)
+    work[5][1].v_cross.zero_()  # a first step: the factor from this step's fold
     expect = []
     for g, st, h, whole in work:
         sums, counts = cross_sums(g, st.start, st.block_size, st.v_cross.numel())
@@ -390,7 +395,7 @@ def test_cuda_plan_rewrites_what_plans_built_anew_would_hold():
     _, _, cross_new, step_new = _cuda_plans(opt)
     ints, fresh = step.ints.tolist(), step_new.ints.tolist()
     assert step.floats == step_new.floats and step.rows == step_new.rows
-    factor = segment_table.META_COLS - 1
+    factor = segment_table.FACTOR_COL
     for _, at, _ in step.rows:
         for col in range(segment_table.META_COLS):
             want = ints0[at + col] if col == factor else fresh[at + col]

@@ -34,6 +34,8 @@ def test_quick_main_job_writes_a_sane_report(tmp_path):
         assert r["final_val_loss"] < losses[0] - 0.5  # ln 256 = 5.55 at init
         train = [c["train_loss"] for c in r["curve"][1:]]
         assert all(math.isfinite(x) for x in train) and train[-1] < train[0]
-    assert abs(gefen["final_val_loss"] - adamw["final_val_loss"]) < 0.3
+    # the claim: no worse than AdamW by more than 0.3; on the better side only a sanity bound
+    # (since the factor's one-step lag, Gefen leads this 60-step run by 0.31, before by 0.23)
+    assert -0.5 < gefen["final_val_loss"] - adamw["final_val_loss"] < 0.3
     report = (out / "report.md").read_text()
     assert "| gefen | 1 |" in report and "loss_curves.png" in report

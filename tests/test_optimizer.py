@@ -112,7 +112,8 @@ def test_native_b1_state_matches_the_reference():
 def naive_gefen(p, grads, lr, betas, eps, wd, block, levels, start=0, tensor_numel=None):
     """Per-block AdamW with v = (v of the block) x (the factor of the element's position across
     blocks: its column of the tensor's (n / B, B) view, or its row for column blocks; relative to
-    the factors' mean, at least reference.CROSS_FLOOR) when the tensor has at least
+    the factors' mean, at least reference.CROSS_FLOOR; from the steps before this one, this
+    step's own on the first) when the tensor has at least
     reference.MIN_CROSS_BLOCKS blocks, and an m stored as codebook level * absmax: the nearest
     level at 8 bits; at 4 bits one of the two around it, the upper one when u * spacing <
     distance above the lower, u = codes.uniforms(step, index in the tensor). A piece (``start``
@@ -140,8 +141,11 @@ def naive_gefen(p, grads, lr, betas, eps, wd, block, levels, start=0, tensor_num
         v = betas[1] * v + (1 - betas[1]) * torch.zeros(nb).index_add_(0, ids, g * g) / cnt
         per = torch.zeros(npos).index_add_(0, pos, torch.ones(n))
         sq = torch.zeros(npos).index_add_(0, pos, g * g) / per.clamp(min=1)
+        before = cross  # c from the steps before this one, unless they left it all zero
         cross = betas[1] * cross + (1 - betas[1]) * sq
-        c = (cross / cross.mean()).clamp(min=reference.CROSS_FLOOR)
+        c = (before / before.mean() if before.mean() > 0 else cross / cross.mean()).clamp(
+            min=reference.CROSS_FLOOR
+        )
         v_elem = v[ids] * c[pos] if factored else v[ids]
         p = p * (1 - lr * wd)
         denom = (v_elem / (1 - betas[1] ** t)).sqrt() + eps
