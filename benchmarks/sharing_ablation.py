@@ -21,12 +21,10 @@ expectation. Comparing the two says how much of a task's gap that dead zone is.
 as the seeds describe (``reference``, the factor). It measures what the factor earns
 (``results/factored_v.md``).
 
-``--second-moment stale`` (through the reference update): the cross factor from the previous
-step's v_cross, this step's g^2 folded in after it. Why: the factor's own pass over g is a
-quarter of the CPU step on the 100M set (README, "Where the step's time goes"); a factor known
-before the step would let the update take this step's sums in its own read of g. This says
-what the one step of lag costs; pair it with ``--rounding stochastic`` at 4 bits (the same
-update through the reference, factor as built).
+``--second-moment current`` (through the reference update): the cross factor from this step's
+own fold, as Gefen had it before e80940f, where it now takes the factor from v_cross as the
+steps before left it. ``results/stale_factor.md`` ran the same pair the other way round, at
+9b5b00c, as ``stale`` against the then as-built: what the one step of lag costs.
 """
 
 from __future__ import annotations
@@ -64,20 +62,20 @@ def _force_shared() -> None:
     state.cross_length = lambda block_size, tensor_numel: 0
 
 
-def _force_stale(gopt) -> None:
-    """The cross factor from v_cross as it stood before this step (the first step, with none
-    yet, from this step's), through the reference update."""
+def _force_current(gopt) -> None:
+    """The cross factor from this step's own fold (the method before e80940f), through the
+    reference update."""
+    import torch
+
     from gefen_dist import reference
 
-    def stale(st, h, mean_sq):
-        total = st.v_cross.mean()
-        if not total > 0:
-            return reference.cross_factor(st, h, mean_sq)
-        c = (st.v_cross / total).clamp_(min=reference.CROSS_FLOOR).sqrt_().div_(h.bc2_sqrt)
+    def current(st, h, mean_sq):
         st.v_cross.mul_(h.beta2).add_(mean_sq, alpha=1.0 - h.beta2)
-        return c
+        total = st.v_cross.mean()
+        c = st.v_cross / torch.where(total > 0, total, torch.ones_like(total))
+        return c.clamp_(min=reference.CROSS_FLOOR).sqrt_().div_(h.bc2_sqrt)
 
-    gopt.cross_factor = stale
+    gopt.cross_factor = current
     gopt.Gefen._impl = lambda self, p, g: "reference"
 
 
@@ -93,8 +91,8 @@ def _child(
         _force_rounding(gopt, reference, rounding)
     if v == "shared":
         _force_shared()
-    if v == "stale":
-        _force_stale(gopt)
+    if v == "current":
+        _force_current(gopt)
 
     spec = tasks.scaled(tasks.TASKS[task], scale)
     names = [n for n, p in tasks.build(spec, seed).model.named_parameters() if p.requires_grad]
@@ -147,11 +145,11 @@ def main() -> None:
     ap.add_argument("--rounding", choices=("as-built", "nearest", "stochastic"), default="as-built")
     ap.add_argument(
         "--second-moment",
-        choices=("as-built", "shared", "stale"),
+        choices=("as-built", "shared", "current"),
         nargs="+",
         default=["as-built"],
         help="shared: a diagnostic, one v per block without the cross factor (_force_shared); "
-        "stale: the factor from the previous step's v_cross (_force_stale); several: each "
+        "current: the factor from this step's own fold (_force_current); several: each "
         "config with each, paired",
     )
     args = ap.parse_args()
