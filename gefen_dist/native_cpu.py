@@ -174,7 +174,9 @@ class StepTable:
         )
         if rc != 0:
             bad = self.meta[(-rc - 1) * table.META_COLS : -rc * table.META_COLS].tolist()
-            raise RuntimeError(f"gefen_cpu_step refused a segment (dtypes, bits or block): {bad}")
+            raise RuntimeError(
+                f"gefen_cpu_step refused a segment (dtypes, bits, block or v_cross): {bad}"
+            )
 
 
 def fuses(st: SegmentState, g: torch.Tensor) -> bool:

@@ -437,13 +437,13 @@ class Gefen(Optimizer):
     ) -> tuple[list[torch.Tensor | None], set[int], native_cpu.CrossTable, list[int], dict]:
         """This step's ``reference.cross_factor`` per segment (None where it has none, or where
         the C++ step takes it itself): from the segment's own g where it holds its whole tensor;
-        from the sums over every rank's piece
-        where the tensor is spread, all such tensors in one all-reduce, so each rank takes the
-        single-process step. Every rank reduces the whole table, zeros for tensors it does not
-        step in this call: ZeRO steps one group at a time, all ranks the same group. Also the
-        items whose block v the C++ pass over g has already stepped (contiguous blocks), that
-        pass's table and the items behind its rows (for ``CpuPlan``); per GPU, the factor
-        pass's plan and the items behind its rows (for ``CudaPlan``)."""
+        from the sums over every rank's piece where the tensor is spread, all such tensors in one
+        all-reduce, so each rank takes the single-process step. Every rank reduces the whole
+        table, zeros for tensors it does not step in this call: ZeRO steps one group at a time,
+        all ranks the same group. Also the items whose block v the C++ pass over g has already
+        stepped (contiguous blocks), that pass's table and the items behind its rows (for
+        ``CpuPlan``); per GPU, the factor pass's plan and the items behind its rows (for
+        ``CudaPlan``)."""
         out: list[torch.Tensor | None] = [None] * len(items)
         v_done: set[int] = set()
         slots = self._cross_table()
