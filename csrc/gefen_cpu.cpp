@@ -12,6 +12,7 @@
 // second with the system compiler and does not depend on torch's C++ ABI.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -263,6 +264,18 @@ inline __m256 level16(__m256 low8, __m256 high8, __m256i k) {
 }
 #endif
 
+// The byte-plane decode's code order, so its unpacks leave the 64 floats in order: position
+// 16 L + 4 q + r (lane L of unpack result q) takes element 16 q + 4 L + r
+constexpr std::array<uint8_t, 64> decode8_order() {
+  std::array<uint8_t, 64> order{};
+  for (int L = 0; L < 4; ++L)
+    for (int q = 0; q < 4; ++q)
+      for (int r = 0; r < 4; ++r)
+        order[16 * L + 4 * q + r] = static_cast<uint8_t>(16 * q + 4 * L + r);
+  return order;
+}
+alignas(64) constexpr std::array<uint8_t, 64> kDecode8Order = decode8_order();
+
 // The levels of elements [lo, hi) into buf[0, hi - lo). At 4 bits: with AVX2, eight nibbles at a
 // time through two in-register 8-level permutes; otherwise a byte's two levels in one 8-byte load
 // from ``l4->pair``. Both are cheaper than a table lookup (or a gather) per element. At 8 bits
@@ -281,13 +294,7 @@ inline void decode(const uint8_t* codes, int64_t lo, int64_t hi, bool four, cons
       __m512i t[4][4];
       for (int k = 0; k < 4; ++k)
         for (int q = 0; q < 4; ++q) t[k][q] = _mm512_loadu_si512(l8->planes[k] + 64 * q);
-      // codes reordered so the unpacks below leave the 64 floats in order: position
-      // 16 L + 4 q + r (lane L of unpack result q) takes element 16 q + 4 L + r
-      alignas(64) uint8_t order[64];
-      for (int L = 0; L < 4; ++L)
-        for (int q = 0; q < 4; ++q)
-          for (int r = 0; r < 4; ++r) order[16 * L + 4 * q + r] = 16 * q + 4 * L + r;
-      const __m512i perm = _mm512_load_si512(order);
+      const __m512i perm = _mm512_load_si512(kDecode8Order.data());
       for (; i + 64 <= hi - lo; i += 64) {
         const __m512i k = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(c + i));
         const __mmask64 top = _mm512_movepi8_mask(k);
@@ -295,8 +302,10 @@ inline void decode(const uint8_t* codes, int64_t lo, int64_t hi, bool four, cons
         for (int q = 0; q < 4; ++q)
           b[q] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[q][0], k, t[q][1]),
                                         _mm512_permutex2var_epi8(t[q][2], k, t[q][3]));
-        const __m512i l01 = _mm512_unpacklo_epi8(b[0], b[1]), h01 = _mm512_unpackhi_epi8(b[0], b[1]);
-        const __m512i l23 = _mm512_unpacklo_epi8(b[2], b[3]), h23 = _mm512_unpackhi_epi8(b[2], b[3]);
+        const __m512i l01 = _mm512_unpacklo_epi8(b[0], b[1]);
+        const __m512i h01 = _mm512_unpackhi_epi8(b[0], b[1]);
+        const __m512i l23 = _mm512_unpacklo_epi8(b[2], b[3]);
+        const __m512i h23 = _mm512_unpackhi_epi8(b[2], b[3]);
         _mm512_storeu_si512(buf + i, _mm512_unpacklo_epi16(l01, l23));
         _mm512_storeu_si512(buf + i + 16, _mm512_unpackhi_epi16(l01, l23));
         _mm512_storeu_si512(buf + i + 32, _mm512_unpacklo_epi16(h01, h23));
@@ -671,14 +680,18 @@ inline float update(float* buf, typename Elem<PT>::T* p, const typename Elem<GT>
 }
 
 // reference.cross_factor's c from fp32 v_cross ``v`` (``n`` entries) into ``out`` as sqrt(max(v /
-// mean(v), floor)) / bc2; false, with nothing written, where mean(v) is not above 0. mean(v) is
-// summed in fp64 (the reference's torch.mean sums fp32 in its own order: the two agree to an
-// ulp or so).
-bool factor_from(const float* v, int64_t n, float bc2, float floor_c, float* out) {
+// mean(v), floor)) / bc2. Where mean(v) is not above 0: false, with nothing written, or with
+// ``always`` the mean taken as 1 (v all zero: the floor's factor). mean(v) is summed in fp64 (the
+// reference's torch.mean sums fp32 in its own order: the two agree to an ulp or so).
+bool factor_from(const float* v, int64_t n, float bc2, float floor_c, float* out,
+                 bool always = false) {
   double total = 0.0;
   for (int64_t i = 0; i < n; ++i) total += v[i];
-  const float mean = static_cast<float>(total / static_cast<double>(n));
-  if (!(mean > 0.0f)) return false;
+  float mean = static_cast<float>(total / static_cast<double>(n));
+  if (!(mean > 0.0f)) {
+    if (!always) return false;
+    mean = 1.0f;
+  }
   for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(std::max(v[i] / mean, floor_c)) / bc2;
   return true;
 }
@@ -692,12 +705,18 @@ void fold_cross(const double* sums, const double* counts, int64_t n, float* v, f
   }
 }
 
-// The factor where factor_from refused v (all zero before the fold): from the folded v, or, all
-// zero still, the floor's
-void factor_after_fold(const float* v, int64_t n, float bc2, float floor_c, float* out) {
-  if (!factor_from(v, n, bc2, floor_c, out))
-    for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(std::max(v[i], floor_c)) / bc2;
+// reference.cross_factor whole: the factor from v as the steps before left it, then the fold;
+// where v was all zero, the fold first and the factor from it
+void factor_and_fold(const double* sums, const double* counts, int64_t n, float* v, float beta2,
+                     float a2, float bc2, float floor_c, float* out) {
+  const bool lagged = factor_from(v, n, bc2, floor_c, out);
+  fold_cross(sums, counts, n, v, beta2, a2);
+  if (!lagged) factor_from(v, n, bc2, floor_c, out, true);
 }
+
+// cross_sums' chunks of whole rows (blocks): at most 16, at least 32 rows each, by the shape
+// alone, so the sums do not depend on the thread count; Sums takes the same ones
+inline int64_t rows_per_chunk(int64_t whole) { return std::max<int64_t>(32, (whole + 15) / 16); }
 
 // A tensor's sums of g^2 per v_cross position (contiguous blocks, the tensor held whole), taken
 // in the update's own read of g rather than in a pass of their own: the chunks of
@@ -713,7 +732,7 @@ struct Sums {
   float beta2, a2;
   Sums(int64_t numel, int64_t block, float* v, float b2, float one_minus_b2)
       : width(block), whole(numel / block), tail(numel % block),
-        per(std::max<int64_t>(32, (whole + 15) / 16)), chunks((whole + per - 1) / per),
+        per(rows_per_chunk(whole)), chunks((whole + per - 1) / per),
         part(chunks + 1), v_cross(v), beta2(b2), a2(one_minus_b2) {}
   // the partial block j adds into (zeroed at the chunk's first block)
   double* acc(int64_t j) {
@@ -1148,7 +1167,7 @@ void cross_sums(const void* gv, int64_t start, int64_t numel, int64_t block, dou
     // Whole rows in chunks that depend on the shape only (at most 16, at least 32 rows each):
     // a row's sum is one thread's, and each entry adds the chunks' partial sums in order. The
     // partials take at most 16 x 8 x partition.MAX_BLOCK bytes = 16 MiB, as in columns().
-    const int64_t per = std::max<int64_t>(32, (whole + 15) / 16);
+    const int64_t per = rows_per_chunk(whole);
     const int64_t chunks = (whole + per - 1) / per;
     std::vector<double> part(chunks * width, 0.0);
 #pragma omp parallel for num_threads(std::max(threads, 1)) if (threads > 1 && chunks > 1)
@@ -1369,8 +1388,8 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done,
       std::vector<double> sc(2 * length, 0.0);
       cross_sums_of(static_cast<int>(m[kGDtype]), b.g, 0, b.numel, b.block, sc.data(),
                     sc.data() + length, threads, nullptr, 0.0f, 0.0f);
-      fold_cross(sc.data(), sc.data() + length, length, vx, b.h.beta2, b.h.a2);
-      factor_after_fold(vx, length, b.h.bc2, floor_c, out);
+      factor_and_fold(sc.data(), sc.data() + length, length, vx, b.h.beta2, b.h.a2, b.h.bc2,
+                      floor_c, out);
     }
   }
   for (int s = 0; s < n_seg; ++s) {  // column segments run after the others, each with all threads
@@ -1433,9 +1452,7 @@ int gefen_cpu_cross_sums(const void* g, int g_dtype, int64_t start, int64_t nume
 // and the factor from it.
 void gefen_cpu_cross_factor(const double* sums, const double* counts, int64_t n, float* v,
                             float beta2, float a2, float bc2, float floor_c, float* out) {
-  const bool lagged = factor_from(v, n, bc2, floor_c, out);
-  fold_cross(sums, counts, n, v, beta2, a2);
-  if (!lagged) factor_after_fold(v, n, bc2, floor_c, out);
+  factor_and_fold(sums, counts, n, v, beta2, a2, bc2, floor_c, out);
 }
 
 // The factor pass of every factored segment of a step in one call: ``meta`` (n_seg x
