@@ -595,7 +595,7 @@ def test_native_cross_table_refuses_a_b1_segment_and_writes_nothing():
     assert torch.equal(st.v, v0)
 
 
-def _factored(numel, block, bits, seed):
+def _factored(numel, block, bits):
     """A segment holding its whole tensor, with v_cross still zero (a first step)."""
     from gefen_dist import reference
 
@@ -649,7 +649,7 @@ def test_the_step_takes_a_whole_tensors_factor_pass_in_its_update(
 
     levels = torch.sort(torch.cat([torch.tensor([-1.0, 1.0]), torch.rand(2**bits - 2) * 2 - 1]))[0]
     mids = midpoints(levels)
-    st = _factored(numel, block, bits, 0)
+    st = _factored(numel, block, bits)
     twin = _clone_state(st)
     gen = torch.Generator().manual_seed(3)
     p = torch.randn(numel, generator=gen)
@@ -687,7 +687,7 @@ def test_the_step_takes_a_whole_column_tensors_row_sums_in_its_first_pass(bits):
     levels = torch.sort(torch.cat([torch.tensor([-1.0, 1.0]), torch.rand(2**bits - 2) * 2 - 1]))[0]
     mids = midpoints(levels)
     numel, block = 96 * 40 + 17, -96
-    st = _factored(numel, block, bits, 0)
+    st = _factored(numel, block, bits)
     twin = _clone_state(st)
     gen = torch.Generator().manual_seed(5)
     p = torch.randn(numel, generator=gen)
@@ -714,8 +714,8 @@ def test_a_refused_fused_row_writes_nothing():
     levels = torch.linspace(-1, 1, 16)
     mids = midpoints(levels)
     h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
-    good = _factored(64 * 20, 64, 4, 0)
-    bad = _factored(64 * 20, 64, 4, 0)
+    good = _factored(64 * 20, 64, 4)
+    bad = _factored(64 * 20, 64, 4)
     bad.start = 64
     ps = [torch.zeros(64 * 20), torch.zeros(64 * 20)]
     g = torch.ones(64 * 20)

@@ -46,6 +46,22 @@ def ran(monkeypatch):
     return out
 
 
+def _pair(**kw):
+    """Two copies of the model, each with its own Gefen (``kw``, lr 1e-2 unless given)."""
+    ma, mb = _model(), _model()
+    kw = {"lr": 1e-2, **kw}
+    return ma, Gefen(ma.parameters(), **kw), mb, Gefen(mb.parameters(), **kw)
+
+
+def _step_both(ma, oa, mb, ob):
+    """A step of ``oa`` as it comes (kept tables where they fit) and of ``ob`` the long way, which
+    must leave the two alike."""
+    oa.step()
+    ob._plan = None  # the long way
+    ob.step()
+    _assert_same(ma, oa, mb, ob)
+
+
 def _assert_same(ma, oa, mb, ob):
     for a, b in zip(ma.parameters(), mb.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -60,9 +76,7 @@ def test_kept_tables_step_as_the_long_way(bits, ran):
     """Ten steps with new gradient tensors, an lr schedule and betas changed midway: every step
     after the first runs on the kept tables, and parameters and state equal those of an
     optimizer made to take the long way each step."""
-    ma, mb = _model(), _model()
-    oa = Gefen(ma.parameters(), lr=1e-2, weight_decay=0.1, bits=bits)
-    ob = Gefen(mb.parameters(), lr=1e-2, weight_decay=0.1, bits=bits)
+    ma, oa, mb, ob = _pair(weight_decay=0.1, bits=bits)
     sched = [torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5) for o in (oa, ob)]
     for t in range(10):
         if t == 5:
@@ -70,20 +84,15 @@ def test_kept_tables_step_as_the_long_way(bits, ran):
                 o.param_groups[0]["betas"] = (0.8, 0.99)
         _grads(ma, t)
         _grads(mb, t)
-        oa.step()
-        ob._plan = None  # the long way
-        ob.step()
+        _step_both(ma, oa, mb, ob)
         for s in sched:
             s.step()
-        _assert_same(ma, oa, mb, ob)
     assert ran[:9] == [True] * 9 and ob._plan is not None
     assert oa.memory_report()["backend"] == "native-cpu"
 
 
 def test_a_missing_gradient_or_a_moved_parameter_takes_the_long_way_then_plans_again(ran):
-    ma, mb = _model(), _model()
-    oa = Gefen(ma.parameters(), lr=1e-2)
-    ob = Gefen(mb.parameters(), lr=1e-2)
+    ma, oa, mb, ob = _pair()
     for t in range(6):
         _grads(ma, t)
         _grads(mb, t)
@@ -92,10 +101,7 @@ def test_a_missing_gradient_or_a_moved_parameter_takes_the_long_way_then_plans_a
         if t == 4:  # storage swapped: the same values elsewhere
             for m in (ma, mb):
                 m[2].weight.data = m[2].weight.data.clone()
-        oa.step()
-        ob._plan = None
-        ob.step()
-        _assert_same(ma, oa, mb, ob)
+        _step_both(ma, oa, mb, ob)
     # step 2 misses a gradient (long way), step 3 differs from step 2's tables (long way);
     # the moved parameter at step 4 keeps the plan: only its address changed
     assert ran == [True, False, False, True, True]
@@ -104,17 +110,12 @@ def test_a_missing_gradient_or_a_moved_parameter_takes_the_long_way_then_plans_a
 def test_a_parameter_that_never_gets_a_gradient_keeps_the_tables_in_use(ran):
     """A parameter without a gradient at every step has no state, so not all state is in place;
     without a process group the steps still run on the kept tables."""
-    ma, mb = _model(), _model()
-    oa = Gefen(ma.parameters(), lr=1e-2)
-    ob = Gefen(mb.parameters(), lr=1e-2)
+    ma, oa, mb, ob = _pair()
     for t in range(4):
         _grads(ma, t)
         _grads(mb, t)
         ma[0].bias.grad = mb[0].bias.grad = None
-        oa.step()
-        ob._plan = None
-        ob.step()
-        _assert_same(ma, oa, mb, ob)
+        _step_both(ma, oa, mb, ob)
     assert not oa.state.get(ma[0].bias) and ran == [True, True, True]
 
 
@@ -122,9 +123,7 @@ def test_a_replaced_state_dict_takes_the_long_way(ran):
     """A parameter's state dict replaced in place (``opt.state[p] = ...``, same tensors' values
     in new tensors): the kept tables point into the old tensors, so the step must go the long
     way and update the new ones, as an optimizer that took the long way throughout does."""
-    ma, mb = _model(), _model()
-    oa = Gefen(ma.parameters(), lr=1e-2)
-    ob = Gefen(mb.parameters(), lr=1e-2)
+    ma, oa, mb, ob = _pair()
     for t in range(5):
         _grads(ma, t)
         _grads(mb, t)
@@ -132,10 +131,7 @@ def test_a_replaced_state_dict_takes_the_long_way(ran):
             for m, o in ((ma, oa), (mb, ob)):
                 p = m[2].weight
                 o.state[p] = {k: v.clone() for k, v in o.state[p].items()}
-        oa.step()
-        ob._plan = None
-        ob.step()
-        _assert_same(ma, oa, mb, ob)
+        _step_both(ma, oa, mb, ob)
     assert ran == [True, True, False, True]
 
 
@@ -193,9 +189,7 @@ def test_the_kept_tables_count_the_steps_a_replaced_count_goes_the_long_way(ran)
     """The kept tables count each step once (in C, not torch._foreach_add_): after five steps
     every count is 5, as the long way's. A count replaced by hand (an fp64 one here) is not
     theirs to touch: that step goes the long way, which counts it as torch would."""
-    ma, mb = _model(), _model()
-    oa = Gefen(ma.parameters(), lr=1e-2)
-    ob = Gefen(mb.parameters(), lr=1e-2)
+    ma, oa, mb, ob = _pair()
     first = next(iter(ma.parameters()))
     for t in range(6):
         if t == 5:
@@ -206,10 +200,7 @@ def test_the_kept_tables_count_the_steps_a_replaced_count_goes_the_long_way(ran)
                 o.state[p]["step"] = torch.tensor(9.0, dtype=torch.float64)
         _grads(ma, t)
         _grads(mb, t)
-        oa.step()
-        ob._plan = None
-        ob.step()
-        _assert_same(ma, oa, mb, ob)
+        _step_both(ma, oa, mb, ob)
     assert ran == [True] * 4 + [False]
     assert oa.state[first]["step"].dtype == torch.float64 and float(oa.state[first]["step"]) == 10
     assert {float(oa.state[p]["step"]) for p in ma.parameters()} == {10.0, 6.0}
