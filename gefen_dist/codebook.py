@@ -91,7 +91,7 @@ def _to_float32_levels(levels: np.ndarray) -> torch.Tensor:
 def bin_centers(bins: int) -> torch.Tensor:
     """The DP treats each bin as a point at its center; codebook and error are defined on these."""
     bins = _check_bins(bins)
-    return -1.0 + (torch.arange(bins, dtype=torch.float64) + 0.5) * (2.0 / bins)
+    return -1.0 + (torch.arange(bins, dtype=torch.float64, device="cpu") + 0.5) * (2.0 / bins)
 
 
 def histogram(

@@ -153,7 +153,7 @@ def code_table(mids: torch.Tensor, cells: int) -> torch.Tensor:
         return hit[1]
     m = mids.double().contiguous()
     width = 2.0 / cells
-    left = torch.linspace(-1.0, 1.0, cells + 1, dtype=torch.float64)[:-1]
+    left = torch.linspace(-1.0, 1.0, cells + 1, dtype=torch.float64, device=m.device)[:-1]
     below = torch.searchsorted(m, left - width)  # midpoints < the widened left edge
     upto = torch.searchsorted(m, left + 2 * width, right=True)  # <= the widened right edge
     table = torch.where(upto == below, below, -1 - below).to(torch.int32)

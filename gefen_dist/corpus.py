@@ -50,7 +50,9 @@ def get_batch(
     data: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows drawn from `generator` alone, so the data order depends only on its seed."""
-    ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
-    idx = ix[:, None] + torch.arange(block_size + 1)
+    ix = torch.randint(
+        len(data) - block_size, (batch_size,), generator=generator, device=generator.device
+    )
+    idx = ix[:, None] + torch.arange(block_size + 1, device=ix.device)
     xy = data[idx].long()
     return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()

@@ -407,7 +407,7 @@ def _decode(
         return None
     outside = {k: entry[k] for k in STATE_KEYS if k in entry and k != "step"}
     return {
-        "step": torch.tensor(saved_step, dtype=torch.float32),
+        "step": torch.tensor(saved_step, dtype=torch.float32, device="cpu"),
         **payload["tensors"],
         **outside,
     }

@@ -235,8 +235,8 @@ def cross_sums(
     if v is not None and (block_size < 0 or h is None or v.dtype != torch.float32):
         raise ValueError("cross_sums folds into v only for contiguous blocks, fp32 v, given h")
     lib = load()
-    sums = torch.zeros(length, dtype=torch.float64)
-    counts = torch.zeros(length, dtype=torch.float64)
+    sums = torch.zeros(length, dtype=torch.float64, device="cpu")
+    counts = torch.zeros(length, dtype=torch.float64, device="cpu")
     rc = lib.gefen_cpu_cross_sums(
         g.data_ptr(),
         table.DTYPES[g.dtype],
@@ -267,8 +267,8 @@ class CrossTable:
     ) -> None:
         lengths = [st.v_cross.numel() for _, st, _, _ in work]
         total = sum(lengths)
-        self.sums = torch.zeros(2 * total, dtype=torch.float64)  # sums, then counts
-        out = torch.empty(sum(n for n, w in zip(lengths, work, strict=True) if w[3]))
+        self.sums = torch.zeros(2 * total, dtype=torch.float64, device="cpu")  # sums, counts
+        out = torch.empty(sum(n for n, w in zip(lengths, work, strict=True) if w[3]), device="cpu")
         sc_at, out_at = self.sums.data_ptr(), out.data_ptr()  # a slice costs a microsecond
         self.meta, self.hyp = array("q"), array("f")
         self.results: list[tuple[torch.Tensor | None, ...]] = []

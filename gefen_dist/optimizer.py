@@ -198,8 +198,10 @@ class Gefen(Optimizer):
         return counts
 
     def _comm_device(self) -> torch.device:
-        """NCCL reduces only CUDA tensors, gloo CPU ones."""
-        if dist.get_backend(self._group) == "nccl":
+        """NCCL reduces only CUDA tensors, gloo CPU ones. A group made with a device-qualified
+        backend names it so ("cuda:nccl", "cpu:gloo,cuda:nccl"); one with both takes CUDA
+        tensors, which keeps GPU-side sums off the host."""
+        if "nccl" in str(dist.get_backend(self._group)).lower():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -219,8 +221,8 @@ class Gefen(Optimizer):
                     continue
                 if bs < 0:
                     piece = flat_g[seg.offset : seg.offset + seg.numel]
-                    cols = torch.zeros(-bs)
-                    k = (seg.start + torch.arange(min(seg.numel, -bs))) % -bs
+                    cols = torch.zeros(-bs, device="cpu")
+                    k = (seg.start + torch.arange(min(seg.numel, -bs), device="cpu")) % -bs
                     cols[k] = _column_absmax(piece, -bs).cpu()
                     prev = local.setdefault(key, {}).get(-1)
                     local[key][-1] = cols if prev is None else torch.maximum(prev, cols)
@@ -293,7 +295,12 @@ class Gefen(Optimizer):
         ]
         if steps:
             torch._foreach_add_(steps, 1)  # one call, not one per tensor
-        items, origins = self._items()
+        try:
+            items, origins = self._items()
+        except Exception:  # refused before anything moved: the counts as they were
+            if steps:
+                torch._foreach_sub_(steps, 1)
+            raise
         factors, v_done, cross, on_cpu, gpu = self._cross_factors(items)
         cpu_items: list[int] = []
         cuda_items: list[int] = []
@@ -345,10 +352,17 @@ class Gefen(Optimizer):
                 h = hypers.get(t)
                 if h is None:
                     h = hypers[t] = Hyper.of(group, t)
-                levels, mids, views, keys = self._prepared(p, st)
-                bits = state.bits_of(levels)
                 lp = _contiguous(sharding.local(p), p, self)
                 lg = _contiguous(sharding.local(p.grad), p, self)
+                if st["codes"].device != lp.device:
+                    raise RuntimeError(
+                        f"the state of {self._name(p)} is on {st['codes'].device}, the parameter "
+                        f"on {lp.device}: move the model before the optimizer's first step, or "
+                        "load the optimizer's state_dict after moving it (loading puts each "
+                        "state on its parameter's device)"
+                    )
+                levels, mids, views, keys = self._prepared(p, st)
+                bits = state.bits_of(levels)
                 if group["maximize"]:
                     lg = -lg
                 key = (lp.device, lp.dtype, lg.dtype)
@@ -614,7 +628,7 @@ class Gefen(Optimizer):
 
         new_bits = sorted({g["bits"] for _, g, _, _ in plan} - set(self._codebooks))
         if new_bits:
-            counts = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64)
+            counts = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64, device="cpu")
             cut = self._cut_block_absmax(plan, block_of)
             for p, _, segs, keys in plan:
                 flat_g = _flat(sharding.local(p.grad), p, self)
@@ -671,7 +685,11 @@ class Gefen(Optimizer):
         opt._plan = None
         opt._codebook_copies.clear()
         for p, st in opt._pending_install:
-            new = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in st.items()}
+            # the step count and the layout stay on the host (the kept plans read the count
+            # there; the layout is read with tolist), the rest on the parameter's device
+            host = ("step", "layout")
+            new = {k: v.to(p.device) if k not in host else v.to("cpu") for k, v in st.items()}
+            new["step"] = new["step"].to(torch.float32).clone()
             new["codebook"] = opt._shared_codebook(new["codebook"], p.device)
             opt.state[p] = {k: new[k] for k in state.STATE_KEYS}
             opt._codebooks.setdefault(state.bits_of(new["codebook"]), new["codebook"])

@@ -152,7 +152,7 @@ class TensorStats:
         if not self.partial:
             self.partial = [{} for _ in self.candidates]
         if self.period and self.col_sums is None:
-            self.col_sums = torch.zeros(self.period, dtype=torch.float64)
+            self.col_sums = torch.zeros(self.period, dtype=torch.float64, device="cpu")
 
 
 def segment_stats(
@@ -182,7 +182,7 @@ def segment_stats(
             if first > t1:
                 carry[i] += float(prefix[-1])
                 continue
-            at = prefix[torch.arange(first - t0, t1 - t0 + 1, p)]
+            at = prefix[torch.arange(first - t0, t1 - t0 + 1, p, device=prefix.device)]
             sums = torch.diff(at, prepend=prefix[:1])
             sums[0] += carry[i]
             block_lo = t0 // p
@@ -199,17 +199,18 @@ def segment_stats(
 
 
 def _add_columns(sums: torch.Tensor, x: torch.Tensor, t0: int, period: int) -> None:
-    """sums[j] += x[i] for the i whose flat index t0 + i is j mod period."""
+    """sums[j] += x[i] for the i whose flat index t0 + i is j mod period. ``sums`` stays on the
+    host (ranks all-gather the statistics as objects), ``x`` is on the gradient's device."""
     first = t0 % period
     head = min((period - first) % period, x.numel())
     if head:
-        sums[first : first + head] += x[:head]
+        sums[first : first + head] += x[:head].to(sums.device)
     body = x[head:]
     whole = body.numel() // period * period
     if whole:
-        sums += body[:whole].view(-1, period).sum(dim=0)
+        sums += body[:whole].view(-1, period).sum(dim=0).to(sums.device)
     if body.numel() > whole:
-        sums[: body.numel() - whole] += body[whole:]
+        sums[: body.numel() - whole] += body[whole:].to(sums.device)
 
 
 def merge_stats(parts: list[TensorStats]) -> TensorStats:

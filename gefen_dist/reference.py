@@ -248,7 +248,7 @@ def dense_update(p: torch.Tensor, g: torch.Tensor, st: SegmentState, h: Hyper) -
         p32.addcdiv_(m, denom, value=-h.step_size)
         if p32 is not pc:
             pc.copy_(p32)
-        r = hash_bits(h.step, torch.arange(st.start + a, st.start + b))
+        r = hash_bits(h.step, torch.arange(st.start + a, st.start + b, device=m.device))
         st.exp_avg[a:b] = round_bf16(m, r & 0xFFFF)
         st.exp_avg_sq[a:b] = round_bf16(v, r >> 16)
 

@@ -72,9 +72,10 @@ def allocate(
             for s, bs in zip(segments, block_sizes, strict=True)
         ],
         dtype=torch.int64,
+        device="cpu",
     ).view(-1, LAYOUT_COLS)
     return {
-        "step": torch.tensor(0.0, dtype=torch.float32),
+        "step": torch.tensor(0.0, dtype=torch.float32, device="cpu"),
         "layout": layout,
         "codebook": codebook.to(**f32),
         "codes": torch.zeros(n_codes, dtype=torch.uint8, device=device),
@@ -144,7 +145,10 @@ def upgrade(state: dict, segments: list[Segment]) -> dict:
     entries = [_cross_entries(s, int(r[3])) for s, r in zip(segments, layout.tolist(), strict=True)]
     return {
         **state,
-        "layout": torch.cat([layout, torch.tensor(entries, dtype=layout.dtype)[:, None]], dim=1),
+        "layout": torch.cat(
+            [layout, torch.tensor(entries, dtype=layout.dtype, device=layout.device)[:, None]],
+            dim=1,
+        ),
         "v_cross": torch.zeros(sum(entries), dtype=torch.float32, device=state["v"].device),
     }
 
