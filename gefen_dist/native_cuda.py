@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from . import segment_table as table
+from .codes import unpack4
 from .reference import Hyper, SegmentState, cross_factor, cross_mean
 from .segments import num_blocks
 
@@ -124,9 +125,10 @@ def _self_check(device: torch.device) -> None:
         (4, torch.float32, 37, 4001, -97),
         (8, torch.float16, 5, 9000, -300),
     ]:
-        levels = cb.learn_codebook(cb.histogram(torch.rand(4096, generator=gen) * 2 - 1), bits)
+        rand = torch.rand(4096, generator=gen, device="cpu")
+        levels = cb.learn_codebook(cb.histogram(rand * 2 - 1), bits)
         levels, mids = levels.to(device), midpoints(levels).to(device)
-        p0 = torch.randn(numel, generator=gen).to(device, dtype)
+        p0 = torch.randn(numel, generator=gen, device="cpu").to(device, dtype)
         sts, ps = [], []
         for _ in range(2):
             nb = num_blocks(start, numel, block)
@@ -144,8 +146,9 @@ def _self_check(device: torch.device) -> None:
             sts.append(st)
             ps.append(p0.clone())
         for t in range(1, 4):
-            g = torch.randn(numel, generator=gen).to(device, dtype)
+            g = torch.randn(numel, generator=gen, device="cpu").to(device, dtype)
             h = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=t)
+            before = ps[0].clone()
             if block == 1:
                 dense_update(ps[0], g, sts[0], h)
             elif block < 0:
@@ -153,19 +156,62 @@ def _self_check(device: torch.device) -> None:
             else:
                 block_update(ps[0], g, sts[0], h, levels, mids, bits)
             step([(ps[1], g, sts[1], h, levels, mids, bits)])
-        torch.cuda.synchronize(device)
-        tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
-        err = ((ps[1].float() - ps[0].float()).abs() / ps[0].float().abs().clamp_min(1e-3)).max()
-        if not err <= tol:
-            raise RuntimeError(f"parameters differ by {err.item():.3g} (bits={bits}, B={block})")
+            torch.cuda.synchronize(device)
+            agree(ps[1], sts[1], ps[0], sts[0], before, bits, f"step {t}, bits={bits}, B={block}")
+            ps[1].copy_(ps[0])  # from the same state again: one step's differences only
+            for k in STATE_FIELDS:
+                if getattr(sts[0], k) is not None:
+                    getattr(sts[1], k).copy_(getattr(sts[0], k))
+
+
+STATE_FIELDS = ("codes", "absmax", "v", "v_cross", "exp_avg", "exp_avg_sq")
+
+
+def agree(
+    p: torch.Tensor,
+    st: SegmentState,
+    p_ref: torch.Tensor,
+    st_ref: SegmentState,
+    before: torch.Tensor,
+    bits: int,
+    what: str,
+) -> None:
+    """Raise unless one step of the kernel (``p``, ``st``) matches the reference's from the same
+    state. The reference on the device runs torch's kernels, which contract multiply-adds and
+    divide by a scalar through its reciprocal where the extension does neither, so an fp32
+    result can sit an ulp away, and a code flips where m / absmax lies within that ulp of a
+    midpoint or of its stochastic threshold: rare, but over thousands of elements not
+    negligible, and before this allowance one such flip made the next step's parameters fail
+    and the backend switch itself off. At most one code in 500 may differ, each by one level; a
+    wrong kernel differs in whole blocks, in the bytes blocks share, or everywhere. Everything
+    else within its tolerance, the parameters relative to the step's operands (``before``, the
+    parameter before the step), as where a step nearly cancels p an ulp of the step is far
+    more of the result."""
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[p.dtype]
+    scale = torch.maximum(before.float().abs(), p_ref.float().abs()).clamp_min(1e-3)
+    err = ((p.float() - p_ref.float()).abs() / scale).max()
+    if not err <= tol:
+        raise RuntimeError(f"parameters differ by {float(err):.3g} ({what})")
+    dense = st.exp_avg is not None and st.exp_avg.numel() > 0
+    if dense:  # bf16 B = 1 state: an fp32 result an ulp apart may carry differently (a bf16 ulp)
+        pairs = [("exp_avg", 1e-2), ("exp_avg_sq", 1e-2)]
+    else:
         pairs = [("v", 1e-5), ("absmax", 1e-5), ("v_cross", 1e-5)]
-        # bf16 B = 1 state: an fp32 result an ulp apart may carry differently (one bf16 ulp)
-        pairs = pairs if block != 1 else [("exp_avg", 1e-2), ("exp_avg_sq", 1e-2)]
-        for k, rtol in pairs:
-            a, b = getattr(sts[1], k).float(), getattr(sts[0], k).float()
-            floor = 1e-6 * b.abs().max() if block == 1 else 1e-30  # m where a lerp cancels
-            if not ((a - b).abs() <= rtol * b.abs() + floor).all():
-                raise RuntimeError(f"{k} differs (bits={bits}, B={block})")
+    for k, rtol in pairs:
+        a, b = getattr(st, k).float(), getattr(st_ref, k).float()
+        floor = 1e-6 * b.abs().max() if dense else 1e-30  # m where a lerp cancels
+        if not ((a - b).abs() <= rtol * b.abs() + floor).all():
+            raise RuntimeError(f"{k} differs ({what})")
+    if not dense:
+        mine, ref = st.codes, st_ref.codes
+        if bits == 4:
+            mine, ref = unpack4(mine, st.numel), unpack4(ref, st.numel)
+        d = (mine.long() - ref.long()).abs()
+        flipped = int((d > 0).sum())
+        if flipped > st.numel // 500 or (flipped and int(d.max()) > 1):
+            raise RuntimeError(
+                f"{flipped} of {st.numel} codes differ, by up to {int(d.max())} levels ({what})"
+            )
 
 
 def build_error() -> str | None:
@@ -510,8 +556,16 @@ def launch_cross(plan: CrossPlan, device: torch.device) -> None:
         return
     nr = len(plan.row_prefix) - 1
     flat = [x for r in plan.meta for x in r] + plan.row_prefix + plan.pos_prefix + plan.col_prefix
-    ints = torch.tensor(flat, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-    hyp = torch.tensor(plan.hyps, dtype=torch.float32).pin_memory().to(device, non_blocking=True)
+    ints = (
+        torch.tensor(flat, dtype=torch.int64, device="cpu")
+        .pin_memory()
+        .to(device, non_blocking=True)
+    )
+    hyp = (
+        torch.tensor(plan.hyps, dtype=torch.float32, device="cpu")
+        .pin_memory()
+        .to(device, non_blocking=True)
+    )
     k = len(plan.meta) * CROSS_META_COLS
     m_dev = ints[:k].view(len(plan.meta), CROSS_META_COLS)
     rp, pp, cp = ints[k : k + nr + 1], ints[k + nr + 1 : k + 2 * nr + 2], ints[k + 2 * nr + 2 :]

@@ -26,6 +26,8 @@ def test_gpu_check_runs_its_checks_on_cpu(tmp_path):
     assert {"prime", "odd_start_odd_block", "long_block", "flat_shard"} <= layouts
     assert {c["backend"] for c in checks if "backend" in c} == {"native-cpu"}
     assert any(c.get("check") == "histogram" for c in checks)
+    (whole,) = [c for c in checks if c.get("check") == "optimizer"]
+    assert whole["layouts_equal"] and whole["codebooks_equal"] and whole["resumed_equal"]
     assert "checks against the reference" in (tmp_path / "gpu_check.md").read_text().lower()
 
 
