@@ -10,7 +10,9 @@ the run before any process group starts, naming the key. The same file runs unde
     accelerate launch --multi_gpu --num_processes 2 launch/train.py \
         --config configs/run/accelerate.yaml    # CPU processes where there is no GPU
 
-Rank 0 draws a progress bar and, with ``--out``, writes a JSON with the loss curve and every
+Each rank trains on its GPU (LOCAL_RANK, NCCL) where torch sees one, else on the CPU (gloo);
+``device: cpu`` in the config keeps GPUs out. Only the CPU runs here: the GPU path is written to
+the launchers' conventions and has not run. Rank 0 draws a progress bar and, with ``--out``, writes a JSON with the loss curve and every
 rank's optimizer-state bytes, parameters held, peak RSS and median step time.
 """
 
@@ -53,8 +55,10 @@ DEFAULTS: dict = {
         "grad_clip": 1.0,
     },
     "sharding": {"mode": "ddp", "zero_stage": 2},
+    "device": "auto",
 }
 CHOICES = {
+    "device": ("auto", "cpu", "cuda"),
     "optimizer.name": ("gefen", "adamw"),
     "optimizer.bits": (4, 8),
     "sharding.mode": ("ddp", "fsdp1", "fsdp2", "deepspeed", "accelerate"),
@@ -173,16 +177,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def setup(cfg: dict, model: torch.nn.Module):
-    """Wrap the model for the configured sharding: (model, optimizer, engine, accelerator)."""
+def rank_device(cfg: dict) -> torch.device:
+    """This rank's GPU (the launcher's LOCAL_RANK) with NCCL where the config says cuda, or says
+    auto and the machine has one; else the CPU with gloo."""
+    want = cfg["device"]
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: 'cuda' asked for, but torch sees no GPU here")
+    if want == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def setup(cfg: dict, model: torch.nn.Module, device: torch.device):
+    """Wrap the model for the configured sharding on ``device``: (model, optimizer, engine,
+    accelerator)."""
     mode = cfg["sharding"]["mode"]
     engine = accelerator = None
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if mode == "deepspeed":
         import deepspeed
 
         import gefen_dist.deepspeed  # noqa: F401  registers Gefen with ZeRO, maps its partitions
 
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend=backend)
         ds_config = {
             "train_micro_batch_size_per_gpu": cfg["data"]["batch_size"],
             "gradient_clipping": cfg["optimizer"]["grad_clip"],
@@ -194,13 +213,15 @@ def setup(cfg: dict, model: torch.nn.Module):
     if mode == "accelerate":
         from accelerate import Accelerator
 
-        accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        accelerator = Accelerator(cpu=device.type == "cpu")
         opt = build_optimizer(cfg, model.parameters())
         model, opt = accelerator.prepare(model, opt)
         return model, opt, None, accelerator
-    dist.init_process_group("gloo")
+    dist.init_process_group(backend)
+    model.to(device)
     if mode == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         opt = build_optimizer(cfg, model.parameters())
     elif mode == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -208,9 +229,7 @@ def setup(cfg: dict, model: torch.nn.Module):
 
         import gefen_dist.fsdp
 
-        model = FSDP(
-            model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
-        )
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device)
         opt = build_optimizer(cfg, model.parameters())
         if isinstance(opt, Gefen):
             gefen_dist.fsdp.configure(model, opt)  # flat shards -> original tensors
@@ -257,8 +276,15 @@ def evaluate(model, batches) -> float:
     return loss
 
 
+def _comm_device() -> torch.device:
+    """NCCL reduces only CUDA tensors."""
+    if "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _mean(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 
@@ -271,12 +297,20 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
         block_size=m["block_size"], n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"]
     )
     torch.manual_seed(cfg["seed"])
-    model, opt, engine, accelerator = setup(cfg, GPT(mcfg))
+    device = rank_device(cfg)
+    model, opt, engine, accelerator = setup(cfg, GPT(mcfg), device)
+    if engine is not None:
+        device = engine.device
+    elif accelerator is not None:
+        device = accelerator.device
     rank, world = dist.get_rank(), dist.get_world_size()
     train_data, val_data = load_corpus(max_bytes=d["max_bytes"])
     bs, T = d["batch_size"], m["block_size"]
     g_val = torch.Generator().manual_seed(10_000 + cfg["seed"])
-    val = [get_batch(val_data, bs, T, g_val) for _ in range(d["val_batches"])]
+    val = [
+        tuple(t.to(device) for t in get_batch(val_data, bs, T, g_val))
+        for _ in range(d["val_batches"])
+    ]
     gen = torch.Generator().manual_seed(1000 * cfg["seed"] + rank)
     base_lr = [g["lr"] for g in opt.param_groups]
     curve = [dict(step=0, train_loss=None, val_loss=_mean(evaluate(model, val)))]
@@ -287,7 +321,7 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
         t0 = time.perf_counter()
         for g, lr in zip(opt.param_groups, base_lr, strict=True):
             g["lr"] = lr * lr_factor(cfg, step - 1)
-        x, y = get_batch(train_data, bs, T, gen)
+        x, y = (t.to(device) for t in get_batch(train_data, bs, T, gen))
         loss = model(x, y)[1]
         if engine is not None:
             engine.backward(loss)
@@ -315,6 +349,7 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
             statistics.median(times),
         ],
         dtype=torch.float64,
+        device=_comm_device(),
     )
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)

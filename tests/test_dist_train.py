@@ -65,6 +65,7 @@ def _train_module():
         ("optimizer: {bits: 3}", "optimizer.bits"),
         ("data: 5", "data"),
         ("steps: 0", "steps"),
+        ("device: tpu", "device"),
     ],
 )
 def test_a_bad_run_config_key_is_named(text, named, tmp_path):
@@ -73,6 +74,18 @@ def test_a_bad_run_config_key_is_named(text, named, tmp_path):
     cfg.write_text(text)
     with pytest.raises(train.ConfigError, match=f"'{named}'|{named} must be a mapping"):
         train.load_config(cfg)
+
+
+def test_the_device_follows_the_config_and_the_machine():
+    """auto and cpu take the CPU on a machine without a GPU; cuda there stops, naming the key."""
+    import torch
+
+    train = _train_module()
+    for want in ("auto", "cpu"):
+        assert train.rank_device(train.load_config({"device": want})) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(train.ConfigError, match="device: 'cuda'"):
+            train.rank_device(train.load_config({"device": "cuda"}))
 
 
 def test_a_bad_key_stops_the_script_before_any_process_group(tmp_path):
