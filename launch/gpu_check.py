@@ -12,7 +12,8 @@ On a GPU (the lent H200: run as is, well inside 10 minutes; needs numba and ninj
    parameters; the device g0 histogram
    against ``codebook.histogram`` (must be equal); and the whole optimizer as a user runs it
    (partition, histogram and codebook from real gradients on the device, three steps, a
-   checkpoint resumed) against the same on the CPU (``check_optimizer``).
+   checkpoint resumed) against the same on the CPU (``check_optimizer``); and, on a GPU,
+   launch/train.py on one NCCL rank under DDP and FSDP2 (``check_train``).
 3. Times one step on a ~1B-parameter set of 16 matrices (fp32, then bf16 parameters and
    gradients) for fused AdamW, Gefen 4/8-bit and, where importable, bitsandbytes AdamW8bit and
    torchao AdamW8bit/4bit; reports the median step, the ratio to fused AdamW and the bytes/s
@@ -36,8 +37,11 @@ so the script stays runnable.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
+import math
+import os
 import platform
 import statistics
 import sys
@@ -232,6 +236,34 @@ def check_optimizer(device, steps: int = 3) -> dict:
     return out
 
 
+def check_train(device, mode: str) -> dict:
+    """launch/train.py on one GPU rank (torchrun, NCCL) under ``mode``'s run config, four
+    steps: the training script's device path and Gefen under that sharding with a real NCCL
+    group, which only a GPU runs (on the CPU the distributed tests cover the script)."""
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+               "--master_port", str(29400 + len(mode)), str(root / "launch" / "train.py"),
+               "--config", str(root / "configs" / "run" / f"{mode}.yaml"), "--set", "steps=4",
+               "--set", f"device={device.type}", "--no-progress", "--out", str(out)]  # fmt: skip
+        env = dict(os.environ)
+        if device.type == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(device.index or 0)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        res = json.loads(out.read_text()) if out.exists() else {}
+    curve = res.get("curve", [])
+    last = curve[-1].get("val_loss") if curve else None
+    ok = r.returncode == 0 and last is not None and math.isfinite(last)
+    out = dict(check=f"train_{mode}", ok=ok, rc=r.returncode, val_loss=last)
+    if not ok:
+        out["error"] = (r.stdout + r.stderr)[-1500:]
+    return out
+
+
 def copy_bandwidth(device, numel: int) -> float:
     a = torch.empty(numel, dtype=torch.float32, device=device)
     b = torch.empty_like(a)
@@ -421,7 +453,10 @@ def main() -> None:
                             error=traceback.format_exc()[-1500:],
                         )
                     )
-    for name, check in (("histogram", check_histogram), ("optimizer", check_optimizer)):
+    whole = [("histogram", check_histogram), ("optimizer", check_optimizer)]
+    if device.type == "cuda":
+        whole += [(f"train_{m}", functools.partial(check_train, mode=m)) for m in ("ddp", "fsdp2")]
+    for name, check in whole:
         try:
             checks.append(check(device))
         except Exception:

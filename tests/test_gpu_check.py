@@ -44,3 +44,16 @@ def test_gpu_check_times_both_sets_on_cpu(tmp_path):
     timed = [t for t in timings if "median_ms" in t]
     assert all(0 < t["host_ms"] <= t["median_ms"] and t["device_ops"] is None for t in timed)
     assert "| gpt2_124m | torch.float32 | gefen4" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_checks_training_run_works_on_cpu():
+    """check_train, which the script runs only on a GPU (on one NCCL rank), here on the CPU."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "launch"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "launch"))
+    got = gpu_check.check_train(torch.device("cpu"), "fsdp2")
+    assert got["ok"] and got["rc"] == 0 and got["val_loss"] > 0, got
