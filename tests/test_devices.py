@@ -102,3 +102,13 @@ def test_a_state_left_on_another_device_is_refused_by_name():
         opt.step()
     st["codes"] = before["codes"]
     assert all(torch.equal(st[k], before[k]) for k in before)  # nothing was stepped
+
+
+def test_sharded_steps_do_not_depend_on_the_default_device(tmp_path):
+    """FSDP1 flat shards (pieces spread over ranks: the statistics gathered, the histogram and
+    the v_cross sums all-reduced) and DDP on 2 gloo ranks, as above
+    (tests/dist/default_device.py)."""
+    from dist_util import read_results, torchrun
+
+    torchrun("default_device.py", str(tmp_path))
+    assert read_results(tmp_path) == [{"fsdp1": True, "ddp": True}] * 2
