@@ -1,9 +1,12 @@
 // The 8-bit coding's level lookup alone, three ways, on one core: code8_lookup.py builds and
 // runs this and checks every exact way's codes against codes.quantize. Why: the 8-bit step
 // misses fused AdamW on one thread, and the question is whether a lookup without gathers could
-// close the gap. Input (binary, from the script): 255 fp32 midpoints, int32 n, n fp32 values in
-// [-1, 1]; args: input path, output path (each way's n int32 codes, in turn), rounds. Prints one
-// line per way: name, ns per element (median of rounds).
+// close the gap. The kernel's way is the kernel's own code: its source is included here (build
+// with -I csrc). Input (binary, from the script): 256 fp32 levels, 255 fp32 midpoints, int32 n,
+// n fp32 values in [-1, 1]; args: input path, output path (each way's n int32 codes, in turn),
+// rounds. Prints one line per way: name, ns per element (median of rounds).
+#include "gefen_cpu.cpp"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -14,52 +17,14 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+namespace code8 {
 
-constexpr int kCells = 8192;  // gefen_cpu.cpp's kCells8
-constexpr double kSlack = 0x1p-23;
-
-// gefen_cpu.cpp's levels8 grid: per cell, the midpoints below its widened left edge (low 32
-// bits) and the bits of the next midpoint (high 32); reach: most midpoints in a widened cell
-std::vector<int64_t> grid(const std::vector<float>& mids, int* reach) {
-  std::vector<int64_t> pair(kCells);
-  const int n = static_cast<int>(mids.size());
-  int b = 0;
-  *reach = 0;
-  for (int c = 0; c < kCells; ++c) {
-    const double lo = -1.0 + c * (2.0 / kCells) - kSlack, hi = -1.0 + (c + 1) * (2.0 / kCells) + kSlack;
-    while (b < n && static_cast<double>(mids[b]) < lo) ++b;
-    int inside = 0;
-    while (b + inside < n && static_cast<double>(mids[b + inside]) <= hi) ++inside;
-    *reach = std::max(*reach, inside);
-    const float next = b < n ? mids[b] : INFINITY;
-    uint32_t bits;
-    std::memcpy(&bits, &next, 4);
-    pair[c] = static_cast<int64_t>(static_cast<uint64_t>(bits) << 32 | static_cast<uint32_t>(b));
-  }
-  return pair;
-}
-
-// the kernel's way (requantize_range, reach <= 1): two 8-lane gathers of (base, next midpoint)
-void gathers(const float* x, int64_t n, const int64_t* pair, int32_t* out) {
-  const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(kCells / 2);
-  const __m512i last = _mm512_set1_epi32(kCells - 1), zero = _mm512_setzero_si512();
-  const __m512i inc = _mm512_set1_epi32(1);
-  const __m512i low = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i high = _mm512_add_epi32(low, inc);
-  const auto* table = reinterpret_cast<const long long*>(pair);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    const __m512i c = _mm512_min_epi32(
-        _mm512_max_epi32(_mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(v, one), half)), zero),
-        last);
-    const __m512i p0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(c), table, 8);
-    const __m512i p1 = _mm512_i32gather_epi64(_mm512_extracti32x8_epi32(c, 1), table, 8);
-    const __m512i base = _mm512_permutex2var_epi32(p0, low, p1);
-    const __m512 above = _mm512_castsi512_ps(_mm512_permutex2var_epi32(p0, high, p1));
-    const __mmask16 up = _mm512_cmp_ps_mask(above, v, _CMP_LT_OQ);
-    _mm512_storeu_si512(out + i, _mm512_mask_add_epi32(base, up, base, inc));
-  }
+// the kernel's way: requantize_range's 8-bit coding (two 8-lane gathers of (base, next
+// midpoint) per 16 elements from Levels8's 8192-cell grid, reach <= 1), scale 1, no prefetch
+void kernel(const float* x, int64_t n, const Levels8& l8, int32_t* out) {
+  const float* none = nullptr;
+  requantize_range<false>(x, nullptr, 1.0f, n, false, &l8, 0, 0, out, Prefetch(none, none, 0),
+                          nullptr);
 }
 
 // No memory lookups: a branch-free binary search for the count of midpoints below x, the 255
@@ -116,7 +81,7 @@ void search(const float* x, int64_t n, const Tree& tree, int32_t* out) {
 // not a coding: the same pass's load, cell arithmetic and store without any lookup, the floor
 // under every way above
 void floor_pass(const float* x, int64_t n, int32_t* out) {
-  const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(kCells / 2);
+  const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(kCells8 / 2);
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 v = _mm512_loadu_ps(x + i);
     _mm512_storeu_si512(out + i, _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(v, one), half)));
@@ -136,18 +101,20 @@ double timed(F f, int64_t n, int rounds) {
   return t[t.size() / 2];
 }
 
-}  // namespace
+}  // namespace code8
 
 int main(int argc, char** argv) {
+  using namespace code8;
   if (argc != 4) {
     std::fprintf(stderr, "usage: code8_lookup IN OUT ROUNDS\n");
     return 2;
   }
   FILE* in = std::fopen(argv[1], "rb");
-  std::vector<float> mids(255);
+  std::vector<float> levels(256), mids(255);
   int32_t n = 0;
-  if (!in || std::fread(mids.data(), 4, 255, in) != 255 || std::fread(&n, 4, 1, in) != 1 ||
-      n <= 0 || n % 16) {
+  if (!in || std::fread(levels.data(), 4, 256, in) != 256 ||
+      std::fread(mids.data(), 4, 255, in) != 255 || std::fread(&n, 4, 1, in) != 1 || n <= 0 ||
+      n % 16) {
     std::fprintf(stderr, "bad input %s\n", argv[1]);
     return 2;
   }
@@ -155,18 +122,18 @@ int main(int argc, char** argv) {
   if (std::fread(x.data(), 4, n, in) != static_cast<size_t>(n)) return 2;
   std::fclose(in);
   const int rounds = std::atoi(argv[3]);
-  int reach = 0;
-  const std::vector<int64_t> pair = grid(mids, &reach);
-  const Tree tree(mids);
-  if (reach > 1) {
+  Levels8 l8;
+  levels8(levels.data(), mids.data(), 255, l8);
+  if (l8.reach > 1) {
     std::fprintf(stderr, "the codebook's reach is %d: the kernel would not take the gathers\n",
-                 reach);
+                 l8.reach);
     return 3;
   }
+  const Tree tree(mids);
   // passes over a block-sized slice at a time, as the kernel codes one block's m from L1
   constexpr int64_t kBlock = 2048;
-  std::vector<int32_t> out(static_cast<size_t>(n) * 3);
   constexpr int kPasses = 64;  // per timed round: a round of one pass is too short to time
+  std::vector<int32_t> out(static_cast<size_t>(n) * 3);
   auto over = [&](auto way, int32_t* dst) {
     return [&, way, dst] {
       for (int k = 0; k < kPasses; ++k)
@@ -174,12 +141,16 @@ int main(int argc, char** argv) {
           way(x.data() + a, std::min<int64_t>(kBlock, n - a), dst + a);
     };
   };
-  const double g = timed(over([&](const float* s, int64_t m, int32_t* d) { gathers(s, m, pair.data(), d); },
-                              out.data()), kPasses * n, rounds);
-  const double s = timed(over([&](const float* s, int64_t m, int32_t* d) { search(s, m, tree, d); },
-                              out.data() + n), kPasses * n, rounds);
-  const double f = timed(over([&](const float* s, int64_t m, int32_t* d) { floor_pass(s, m, d); },
-                              out.data() + 2 * n), kPasses * n, rounds);
+  const int64_t elements = kPasses * static_cast<int64_t>(n);
+  const double g = timed(
+      over([&](const float* s, int64_t m, int32_t* d) { kernel(s, m, l8, d); }, out.data()),
+      elements, rounds);
+  const double s = timed(
+      over([&](const float* s, int64_t m, int32_t* d) { search(s, m, tree, d); }, out.data() + n),
+      elements, rounds);
+  const double f = timed(
+      over([&](const float* s, int64_t m, int32_t* d) { floor_pass(s, m, d); }, out.data() + 2 * n),
+      elements, rounds);
   std::printf("gathers %.4f\nsearch %.4f\nfloor %.4f\n", g, s, f);
   FILE* o = std::fopen(argv[2], "wb");
   std::fwrite(out.data(), 4, out.size(), o);

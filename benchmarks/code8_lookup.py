@@ -6,8 +6,8 @@ Why: the 8-bit step stays above fused AdamW on one thread, and most of the gap i
 block-sized slices of x = g / absmax from the demo GPT's first gradients (rows of each matrix,
 as Gefen's g0 histogram sees them), with an 8-bit codebook learned from their histogram:
 
-- ``gathers``: the kernel's way (two 8-lane gathers of (base, next midpoint) per 16 elements
-  from the 8192-cell grid, ``requantize_range``);
+- ``gathers``: the kernel's own ``requantize_range`` (its source is built in): two 8-lane
+  gathers of (base, next midpoint) per 16 elements from the 8192-cell grid;
 - ``search``: a branch-free binary search over the midpoints held in registers, no memory
   lookups;
 - ``floor``: the same load, cell arithmetic and store with no lookup at all.
@@ -56,11 +56,14 @@ def block_values(elements: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[pick].contiguous()
 
 
-def lookups(mids: torch.Tensor, x: torch.Tensor, rounds: int) -> tuple[dict, torch.Tensor]:
+def lookups(
+    levels: torch.Tensor, mids: torch.Tensor, x: torch.Tensor, rounds: int
+) -> tuple[dict, torch.Tensor]:
     cxx = native_cpu._compiler()
     if cxx is None:
         sys.exit("no C++ compiler")
     flags = [f for f in native_cpu._flags() if f not in ("-shared", "-fPIC")]
+    flags.append(f"-I{native_cpu.SOURCE.parent}")
     with tempfile.TemporaryDirectory() as tmp:
         exe, data, out = (Path(tmp) / n for n in ("code8", "in.bin", "out.bin"))
         build = subprocess.run(
@@ -69,7 +72,11 @@ def lookups(mids: torch.Tensor, x: torch.Tensor, rounds: int) -> tuple[dict, tor
         if build.returncode:
             sys.exit(f"{SOURCE.name} did not build:\n{build.stderr[-2000:]}")
         n = torch.tensor([x.numel()], dtype=torch.int32)
-        data.write_bytes(mids.float().numpy().tobytes() + n.numpy().tobytes() + x.numpy().tobytes())
+        data.write_bytes(
+            b"".join(t.float().numpy().tobytes() for t in (levels, mids))
+            + n.numpy().tobytes()
+            + x.numpy().tobytes()
+        )
         run = subprocess.run(
             [str(exe), str(data), str(out), str(rounds)], capture_output=True, text=True
         )
@@ -113,7 +120,7 @@ def main() -> None:
     every, x = block_values(a.elements)
     levels = codebook.learn_codebook(codebook.histogram(every), 8)
     mids = midpoints(levels)
-    times, codes = lookups(mids, x, a.rounds)
+    times, codes = lookups(levels, mids, x, a.rounds)
     want = quantize(x, mids).to(torch.int32)
     for k, name in enumerate(WAYS[:2]):
         wrong = int((codes[k] != want).sum())
