@@ -12,8 +12,9 @@ the run before any process group starts, naming the key. The same file runs unde
 
 Each rank trains on its GPU (LOCAL_RANK, NCCL) where torch sees one, else on the CPU (gloo);
 ``device: cpu`` in the config keeps GPUs out. Only the CPU runs here: the GPU path is written to
-the launchers' conventions and has not run. Rank 0 draws a progress bar and, with ``--out``, writes a JSON with the loss curve and every
-rank's optimizer-state bytes, parameters held, peak RSS and median step time.
+the launchers' conventions and has not run. Rank 0 draws a progress bar and, with ``--out``,
+writes a JSON with the loss curve and every rank's optimizer-state bytes, parameters held, peak
+RSS and median step time.
 """
 
 from __future__ import annotations
@@ -234,11 +235,14 @@ def setup(cfg: dict, model: torch.nn.Module, device: torch.device):
         if isinstance(opt, Gefen):
             gefen_dist.fsdp.configure(model, opt)  # flat shards -> original tensors
     else:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # the mesh on the rank's device: FSDP2's default takes a GPU wherever there is one
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = build_optimizer(cfg, model.parameters())
     return model, opt, engine, accelerator
 

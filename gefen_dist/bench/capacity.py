@@ -10,7 +10,10 @@ the same process image for every optimizer, so no optimizer's imports count agai
 resets the kernel's peak counter (VmHWM), builds the GPT and its optimizer and runs a few real
 steps on the stdlib corpus at microbatch b; its peak is VmHWM. The budget applies to the *net*
 peak, peak - baseline, per rank: what training itself holds, the analogue of
-``torch.cuda.max_memory_allocated``, which the probe also reports when CUDA is present.
+``torch.cuda.max_memory_allocated``. The probes run on the CPU even where a GPU is present, as
+the rest of the bench: a forked child cannot use a CUDA context its parent may have made, and a
+GPU's capacity is a different measurement (its allocator's peak, NCCL ranks) that no GPU here
+could check.
 Baseline and total peak are both in the report.
 
 Search per optimizer: galloping (offsets 1, 2, 4, ... from a start) then bisection, one probe
@@ -158,11 +161,14 @@ def _wrap(model, mode: str):
         return model
     if mode == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # on the CPU even where a GPU is present (FSDP2's default mesh would take the GPU)
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     for block in model.transformer.h:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -184,29 +190,19 @@ def probe(spec: dict, rank: int = 0) -> dict:
     _trim()
     out["baseline_bytes"] = rss_now()
     _reset_peak()
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda", rank % max(1, torch.cuda.device_count())) if cuda else None
     torch.manual_seed(0)
-    model = GPT(s.gpt_config())
-    if dev is not None:
-        model = model.to(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-    model = _wrap(model, mode)
+    model = _wrap(GPT(s.gpt_config()), mode)
     gen = torch.Generator().manual_seed(1 + rank)
     times = []
     try:
         opt = s.optimizer(name, model)
         for _ in range(s.steps):
             x, y = get_batch(_CORPUS[0], b, s.block_size, gen)
-            if dev is not None:
-                x, y = x.to(dev), y.to(dev)
             t0 = time.perf_counter()
             loss = model(x, y)[1]
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if dev is not None:
-                torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - t0)
     except Exception as e:  # a peer that refuses this wrapping (e.g. DTensor) is reported
         import traceback
@@ -219,8 +215,6 @@ def probe(spec: dict, rank: int = 0) -> dict:
         state_bytes=_state_bytes(opt),
         loss=float(loss.detach()),
     )
-    if dev is not None:
-        out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
     return out
 
 
