@@ -250,7 +250,10 @@ def check_train(device, mode: str) -> dict:
                "--master_port", str(29400 + len(mode)), str(root / "launch" / "train.py"),
                "--config", str(root / "configs" / "run" / f"{mode}.yaml"), "--set", "steps=4",
                "--set", f"device={device.type}", "--no-progress", "--out", str(out)]  # fmt: skip
-        env = dict(os.environ)
+        # the package from this checkout, installed or not (a lent GPU has it only here)
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+        )
         if device.type == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(device.index or 0)
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
