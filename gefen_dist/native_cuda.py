@@ -7,8 +7,9 @@ four the column segments and four the factor's pass, whatever the model; an lr s
 changes only a row's numbers, never the kernels.
 
 The build needs ninja, nvcc and a CUDA build of torch; it goes to ``$GEFEN_CACHE_DIR``
-(default ``~/.cache/gefen_dist``) keyed by the sources, torch's version and the device's
-architecture, so a second process loads it in a second. When it cannot be built, or its
+(default ``~/.cache/gefen_dist``) keyed by the sources, torch's version and the architectures
+it is built for (every visible GPU's, or ``$TORCH_CUDA_ARCH_LIST``), so a second process loads
+it in a second. When it cannot be built, or its
 self-check against the reference fails on a device (``_verified``), ``available(device)`` is
 False and ``build_error()`` says why; Gefen then runs the reference update and says so once.
 """
@@ -54,24 +55,33 @@ def _build() -> Any:
         raise RuntimeError(f"sources not found: {missing} (an install without csrc/)")
     from torch.utils.cpp_extension import load
 
-    major, minor = torch.cuda.get_device_capability()
+    # every visible GPU's architecture (a node may mix generations), or the user's own list
+    caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or ";".join(f"{a}.{b}" for a, b in sorted(caps))
     h = hashlib.sha256()
     for p in SOURCES + HEADERS:
         h.update(p.read_bytes())
-    h.update(f"{torch.__version__} {torch.version.cuda} sm_{major}{minor} {CUDA_FLAGS}".encode())
+    h.update(f"{torch.__version__} {torch.version.cuda} {archs} {CUDA_FLAGS}".encode())
     cache = Path(os.environ.get("GEFEN_CACHE_DIR", Path.home() / ".cache" / "gefen_dist"))
     build = cache / f"cuda_{h.hexdigest()[:16]}"
     build.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
-    return load(
-        name="gefen_cuda_ext",
-        sources=[str(p) for p in SOURCES],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=CUDA_FLAGS,
-        extra_include_paths=[str(CSRC)],
-        build_directory=str(build),
-        verbose=False,
-    )
+    before = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # cpp_extension reads it; the caller's is restored
+    try:
+        return load(
+            name="gefen_cuda_ext",
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=CUDA_FLAGS,
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(build),
+            verbose=False,
+        )
+    finally:
+        if before is None:
+            del os.environ["TORCH_CUDA_ARCH_LIST"]
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = before
 
 
 def load() -> Any:
