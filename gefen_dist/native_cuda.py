@@ -175,6 +175,9 @@ def _self_check(device: torch.device) -> None:
 
 
 STATE_FIELDS = ("codes", "absmax", "v", "v_cross", "exp_avg", "exp_avg_sq")
+PARAM_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+"""How far a kernel's parameters may sit from the reference's after one step, relative to the
+step's operands, by parameter dtype (``agree``; launch/gpu_check.py's layouts)."""
 
 
 def agree(
@@ -197,7 +200,7 @@ def agree(
     else within its tolerance, the parameters relative to the step's operands (``before``, the
     parameter before the step), as where a step nearly cancels p an ulp of the step is far
     more of the result."""
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[p.dtype]
+    tol = PARAM_RTOL[p.dtype]
     scale = torch.maximum(before.float().abs(), p_ref.float().abs()).clamp_min(1e-3)
     err = ((p.float() - p_ref.float()).abs() / scale).max()
     if not err <= tol:

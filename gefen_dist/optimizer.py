@@ -198,12 +198,7 @@ class Gefen(Optimizer):
         return counts
 
     def _comm_device(self) -> torch.device:
-        """NCCL reduces only CUDA tensors, gloo CPU ones. A group made with a device-qualified
-        backend names it so ("cuda:nccl", "cpu:gloo,cuda:nccl"); one with both takes CUDA
-        tensors, which keeps GPU-side sums off the host."""
-        if "nccl" in str(dist.get_backend(self._group)).lower():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return comm_device(self._group)
 
     def _cut_block_absmax(self, plan, block_of) -> dict[Hashable, dict[int, float]]:
         """Whole-block absmax of g0 for blocks cut by a shard boundary (and of every column of a
@@ -840,6 +835,16 @@ def _contiguous(t: torch.Tensor, p: torch.Tensor, opt: Gefen) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"Gefen needs contiguous parameters and gradients; {opt._name(p)} is not")
     return t
+
+
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a collective's tensors go on ``group``: NCCL reduces only CUDA tensors, gloo CPU
+    ones. A group made with a device-qualified backend names it so ("cuda:nccl",
+    "cpu:gloo,cuda:nccl"); one with both takes CUDA tensors, which keeps GPU-side sums off the
+    host."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _flat(t: torch.Tensor, p: torch.Tensor, opt: Gefen) -> torch.Tensor:

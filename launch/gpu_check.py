@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gefen_dist import Gefen, Segment, state  # noqa: E402
+from gefen_dist import Gefen, Segment, native_cuda, state  # noqa: E402
 from gefen_dist import codebook as cb  # noqa: E402
 from gefen_dist.codes import unpack4  # noqa: E402
 
@@ -138,7 +138,7 @@ def check_layout(name, parts, bits, dtype, device, steps=4) -> dict:
             d = (cr.long() - cn.long()).abs()
             worst["code_max"] = max(worst["code_max"], int(d.max()))
             worst["code_frac"] = max(worst["code_frac"], (d > 0).float().mean().item())
-    p_tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    p_tol = native_cuda.PARAM_RTOL[dtype]
     ok = (
         worst["p"] <= p_tol
         and worst["v"] <= 1e-5
@@ -245,11 +245,12 @@ def check_train(device, mode: str) -> dict:
 
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run.json"
+        res_file = Path(tmp) / "run.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
                "--master_port", str(29400 + len(mode)), str(root / "launch" / "train.py"),
                "--config", str(root / "configs" / "run" / f"{mode}.yaml"), "--set", "steps=4",
-               "--set", f"device={device.type}", "--no-progress", "--out", str(out)]  # fmt: skip
+               "--set", f"device={device.type}", "--no-progress",
+               "--out", str(res_file)]  # fmt: skip
         # the package from this checkout, installed or not (a lent GPU has it only here)
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
@@ -257,7 +258,7 @@ def check_train(device, mode: str) -> dict:
         if device.type == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(device.index or 0)
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-        res = json.loads(out.read_text()) if out.exists() else {}
+        res = json.loads(res_file.read_text()) if res_file.exists() else {}
     curve = res.get("curve", [])
     last = curve[-1].get("val_loss") if curve else None
     ok = r.returncode == 0 and last is not None and math.isfinite(last)
@@ -427,8 +428,6 @@ def main() -> None:
         command=" ".join(sys.argv), torch=torch.__version__, python=platform.python_version()
     )
     if device.type == "cuda":
-        from gefen_dist import native_cuda
-
         report["device"] = torch.cuda.get_device_name(device)
         t0 = time.perf_counter()
         ok = native_cuda.available()

@@ -38,6 +38,7 @@ import yaml
 from gefen_dist import Gefen
 from gefen_dist.corpus import get_batch, load_corpus
 from gefen_dist.model import GPT, Block, GPTConfig
+from gefen_dist.optimizer import comm_device
 
 DEFAULTS: dict = {
     "model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64},
@@ -280,15 +281,8 @@ def evaluate(model, batches) -> float:
     return loss
 
 
-def _comm_device() -> torch.device:
-    """NCCL reduces only CUDA tensors."""
-    if "nccl" in str(dist.get_backend()).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _mean(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
+    t = torch.tensor([value], dtype=torch.float64, device=comm_device())
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 
@@ -353,7 +347,7 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
             statistics.median(times),
         ],
         dtype=torch.float64,
-        device=_comm_device(),
+        device=comm_device(),
     )
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
