@@ -30,16 +30,15 @@ ratio, so it needs no bias correction. CROSS_FLOOR bounds how far a position tha
 a level spacing times the block's absmax, which an exact m would not have, and
 1 / sqrt(CROSS_FLOOR) = 10 caps how much c can amplify it.
 
-c comes from v_cross as the steps before this one left it; this step's mean g^2 is folded in
-after. Why a step late: this step's own sums over every block at a position need a whole pass
-over g before the first parameter may move, a pass that took a quarter of a 100M-parameter CPU
-step (docs/step_time.md, "Where the step's time goes"); a step late, the C++ kernel takes the
-sums in the update's own read of g (the CUDA kernels still take them in a pass of their own).
-What the lag
-changes: c is a ratio of EMAs, each step moving v_cross by (1 - b2) of the way to that step's
-mean g^2; the factor a step sees lacks only its own step's share. Where v_cross is still all zero
-(the first step, or a state saved before v_cross existed, which loads as zeros) c comes from
-this step's fold instead, as it would have without the lag, so no step runs without the factor.
+c comes from v_cross as the steps before this one left it; this step's mean g^2 is folded in after.
+Why a step late: this step's own sums over every block at a position need a whole pass over g before
+the first parameter may move, a pass that took a quarter of a 100M-parameter CPU step
+(docs/step_time.md, "Where the step's time goes"); a step late, the C++ kernel takes the sums in the
+update's own read of g (the CUDA kernels still take them in a pass of their own). What the lag
+changes: c is a ratio of EMAs, each step moving v_cross by (1 - b2) of the way to that step's mean
+g^2; the factor a step sees lacks only its own step's share. Where v_cross is still all zero (the
+first step, or a state saved before v_cross existed, which loads as zeros) c comes from this step's
+fold instead, as it would have without the lag, so no step runs without the factor.
 
 v_cross belongs to the tensor, not to a piece: positions and rows are the tensor's, and a tensor
 spread over ranks (FSDP, ZeRO) has its per-entry sums of g^2 (``cross_sums``) added over the
