@@ -97,12 +97,19 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
     travel through FSDP's and DCP's checkpoint functions (module docstring).
 
     Call once, after wrapping the model and building the optimizer, before the first step.
+    ``optimizer`` may be a wrapper that holds Gefen as ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer`` after ``accelerator.prepare``).
     Gefen calls ``configure(None, optimizer)`` itself when it is built on FSDP2 (DTensor)
     parameters, so FSDP2 users need not; calling it again with the model then only adds the
     parameters' FQNs to error messages.
     """
+    wrapped = optimizer
+    while not isinstance(optimizer, Gefen) and isinstance(
+        getattr(optimizer, "optimizer", None), torch.optim.Optimizer
+    ):
+        optimizer = optimizer.optimizer  # Accelerate's AcceleratedOptimizer, and the like
     if not isinstance(optimizer, Gefen):
-        raise TypeError(f"configure expects a gefen_dist.Gefen optimizer, got {type(optimizer)}")
+        raise TypeError(f"configure expects a gefen_dist.Gefen optimizer, got {type(wrapped)}")
     done = getattr(optimizer, "_gefen_fsdp", None)
     if done is not None and done.model is None and model is not None:
         fqn_of = {p: n for n, p in model.named_parameters()} if model is not None else {}

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -102,14 +103,11 @@ class Gefen(Optimizer):
         self._pending_install: list[tuple[torch.Tensor, dict]] = []
         self._cross_slots: dict[str, tuple[int, int]] | None = None
         self._plan: CpuPlan | CudaPlan | None = None  # the last step's native tables, for the next
+        self._adopted: list[list[torch.Tensor]] = []  # the groups' params _adopt_sharded saw
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(Gefen._stash_state)
         self.register_load_state_dict_post_hook(Gefen._install_state)
-        if self._group is not None and any(
-            sharding.is_dtensor(p) for g in self.param_groups for p in g["params"]
-        ):
-            # FSDP2: per-rank state must be keyed by rank or DCP keeps one rank's copy
-            importlib.import_module("gefen_dist.fsdp").configure(None, self)
+        self._adopt_sharded()
         if "deepspeed" in sys.modules:
             # deepspeed.initialize must map ZeRO partitions to segments; without the
             # integration each flat partition would be blocked as one 1-D tensor
@@ -163,6 +161,37 @@ class Gefen(Optimizer):
             )
         self._segments[param] = sorted(segments, key=lambda s: s.offset)
         self._use_group(group, param)
+
+    def _adopt_sharded(self) -> None:
+        """Take the process group of FSDP2 (DTensor) parameters and key their state per rank
+        for DCP, also where sharded parameters replaced a group's params after construction:
+        Accelerate's prepare builds the optimizer on plain tensors and swaps the sharded ones in,
+        which had left each rank learning its own codebook and DCP keeping one rank's state. A
+        mesh of one rank counts too, so that its checkpoint refuses another world size by name.
+        """
+        lists = [g["params"] for g in self.param_groups]
+        if len(lists) == len(self._adopted) and all(
+            a is b for a, b in zip(lists, self._adopted, strict=True)
+        ):
+            return
+        sharded = False
+        for p in (p for ps in lists for p in ps):
+            if sharding.is_dtensor(p):
+                sharding.check_layout(p, self._name(p))
+                group = sharding.group_of(p)
+                self._use_group(group, p)
+                sharded = sharded or group is not None
+        if sharded and getattr(self, "_gefen_fsdp", None) is None:
+            importlib.import_module("gefen_dist.fsdp").configure(None, self)
+        self._adopted = lists
+
+    def state_dict(self) -> dict[str, Any]:
+        self._adopt_sharded()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._adopt_sharded()
+        super().load_state_dict(state_dict)
 
     def _use_group(self, group: dist.ProcessGroup | None, p: torch.Tensor) -> None:
         if group is None or dist.get_world_size(group) == 1:
@@ -251,6 +280,7 @@ class Gefen(Optimizer):
     # -- step --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        self._adopt_sharded()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -757,6 +787,14 @@ class Gefen(Optimizer):
                 "layout Gefen was not told: call gefen_dist.fsdp.configure(model, optimizer) "
                 "after building the optimizer"
             )
+        if getattr(p, "_fsdp_flattened", False):
+            raise ValueError(
+                f"{self._name(p)} is a piece of an FSDP1 parameter (use_orig_params=True) "
+                "whose place in the original tensor Gefen was not told: call "
+                "gefen_dist.fsdp.configure(model, optimizer) after building the optimizer "
+                "(without it each rank would block its 1-D piece as a tensor of its own, with "
+                "several times the state)"
+            )
         gi, i = self._index(p)
         return sharding.segments_of(p, key=f"param {gi}.{i}", name=self._name(p))
 
@@ -806,11 +844,17 @@ def format_memory_report(report: dict[str, Any]) -> str:
 
 
 def _check_hyper(g: dict[str, Any]) -> None:
-    lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError(f"lr must be a number or a one-element tensor, got shape {lr.shape}")
-    if not float(lr) >= 0.0:
-        raise ValueError(f"Invalid lr: {float(lr)} (must be >= 0)")
+    """A group's settings, refused by name before anything is built from them: a value that
+    only failed later (bits=4.0 at the codebook, lr="3e-4" at the first scheduler) would stop a
+    run after its process groups and first gradients."""
+    lr = _real("lr", g["lr"], tensor=True)
+    betas = g["betas"]
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (must be a pair (beta1, beta2))")
+    b1, b2 = (_real(f"betas[{i}]", b, tensor=True) for i, b in enumerate(betas))
+    eps, wd = _real("eps", g["eps"]), _real("weight_decay", g["weight_decay"])
+    if not lr >= 0.0:
+        raise ValueError(f"Invalid lr: {lr} (must be >= 0)")
     if not 0.0 <= b1 < 1.0:
         raise ValueError(f"Invalid betas[0]: {b1} (must be in [0, 1))")
     if not 0.0 <= b2 < 1.0:
@@ -819,8 +863,21 @@ def _check_hyper(g: dict[str, Any]) -> None:
         raise ValueError(f"Invalid eps: {eps} (must be >= 0)")
     if not wd >= 0.0:
         raise ValueError(f"Invalid weight_decay: {wd} (must be >= 0)")
-    if g["bits"] not in (4, 8) or isinstance(g["bits"], bool):
-        raise ValueError(f"Invalid bits: {g['bits']!r} (must be 4 or 8)")
+    bits = g["bits"]
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in (4, 8):
+        raise ValueError(f"Invalid bits: {bits!r} (must be the integer 4 or 8)")
+
+
+def _real(name: str, value: Any, tensor: bool = False) -> float:
+    if tensor and isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}"
+            )
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
 
 
 def _factor(impl: str, seg, h: Hyper, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -360,11 +361,39 @@ def test_non_finite_first_gradient_names_the_parameter():
         ({"eps": -1e-8}, "eps"),
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"amsgrad": True}, "amsgrad"),
+        ({"bits": 4.0}, "bits"),
+        ({"betas": (0.9,)}, "betas"),
+        ({"betas": "ab"}, "betas"),
+        ({"lr": torch.zeros(2)}, "lr"),
     ],
 )
 def test_bad_hyperparameters_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Gefen([torch.zeros(3, requires_grad=True)], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"lr": "3e-4"}, "lr"),
+        ({"eps": None}, "eps"),
+        ({"betas": (0.9, "0.99")}, r"betas\[1\]"),
+        ({"weight_decay": [0.1]}, "weight_decay"),
+    ],
+)
+def test_values_of_the_wrong_type_are_refused_by_name(kwargs, name):
+    """Refused at construction: a string lr stepped and only broke the first scheduler."""
+    with pytest.raises(TypeError, match=f"^{name} must be a number"):
+        Gefen([torch.zeros(3, requires_grad=True)], **kwargs)
+
+
+def test_numbers_of_other_types_are_taken():
+    """numpy scalars and one-element tensors, as configs and schedulers hand them over."""
+    p = torch.zeros(3, requires_grad=True)
+    opt = Gefen([p], lr=np.float32(1e-3), betas=(torch.tensor(0.9), 0.99), bits=np.int64(8))
+    p.grad = torch.ones(3)
+    opt.step()
+    assert opt.state[p]["step"] == 1
 
 
 def test_bad_group_added_later_is_refused():

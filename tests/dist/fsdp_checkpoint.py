@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsdp_common import full_params, gefen, init, train, wrap, write
+from fsdp_common import build, full_params, gefen, init, shard, train, wrap, write
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 import gefen_dist.fsdp
 
 FIRST, SECOND = 3, 3
-WORLD1 = {("gpt", "full"), ("gpt", "dcp")}
+WORLD1 = {("gpt", "full"), ("gpt", "dcp"), ("gpt", "dcp_unconfigured")}
 CASES = [
     ("gpt", "fsdp1_flat", "full"),
     ("gpt", "fsdp1_flat", "full_rank0"),
@@ -41,6 +41,7 @@ CASES = [
     ("gpt", "fsdp1_orig", "sharded"),
     ("gpt", "fsdp2", "dcp"),
     ("gpt", "fsdp2", "dcp_unconfigured"),
+    ("gpt", "fsdp2_accelerate", "dcp"),
     ("odd", "fsdp2", "dcp"),
     ("gpt", "fsdp1_orig", "dcp"),
     ("gpt", "fsdp1_flat", "dcp"),
@@ -48,10 +49,33 @@ CASES = [
 
 
 def setup_run(kind: str, setup: str, bits: int, path: str = ""):
+    if setup == "fsdp2_accelerate":
+        return accelerate_fsdp2(kind, bits)
     model = wrap(kind, setup)
     opt = gefen(model.parameters(), bits)
     if path != "dcp_unconfigured":  # FSDP2 users who skip configure: Gefen configures itself
         gefen_dist.fsdp.configure(model, opt)
+    return model, opt
+
+
+def accelerate_fsdp2(kind: str, bits: int):
+    """What ``Accelerator.prepare`` does under FSDP2, which Accelerate will not run on CPU: the
+    optimizer is built on the plain model, each of its params is swapped for a placeholder
+    carrying the param's address, the model is sharded, and Accelerate's own
+    ``fsdp2_switch_optimizer_parameters`` puts the DTensors in. Nobody calls configure."""
+    from accelerate.utils import fsdp2_switch_optimizer_parameters
+
+    model = build(kind)
+    opt = gefen(model.parameters(), bits)
+    address = {n: p.data_ptr() for n, p in model.named_parameters()}
+    for group in opt.param_groups:
+        for i, p in enumerate(group["params"]):
+            group["params"][i] = torch.empty(1, dtype=p.dtype)
+            group["params"][i].data_ptr = p.data_ptr()
+    shard(kind, model)
+    fsdp2_switch_optimizer_parameters(
+        opt, {address[n]: p for n, p in model.named_parameters()}
+    )
     return model, opt
 
 
@@ -157,7 +181,7 @@ def main() -> None:
             torch.save(raw_state(opt), d / f"raw{rank}.pt")
             second = train(kind, model, opt, FIRST, SECOND)
             torch.save(full_params(model, setup), d / f"final{rank}.pt")
-            result[name] = dict(losses=first + second)
+            result[name] = dict(losses=first + second, codebook=opt._codebooks[bits].tolist())
         elif mode == "resume":
             load(model, opt, path, d)
             state_exact = equal_states(raw_state(opt), torch.load(d / f"raw{rank}.pt"))

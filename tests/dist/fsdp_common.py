@@ -57,13 +57,18 @@ def batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(BATCH, 7, generator=g)
 
 
+def shard(kind: str, model: torch.nn.Module) -> None:
+    """FSDP2 as the tests use it: each transformer block, then the root."""
+    if kind == "gpt":
+        for b in model.transformer.h:
+            fully_shard(b)
+    fully_shard(model)
+
+
 def wrap(kind: str, setup: str) -> torch.nn.Module:
     model = build(kind)
     if setup == "fsdp2":
-        if kind == "gpt":
-            for b in model.transformer.h:
-                fully_shard(b)
-        fully_shard(model)
+        shard(kind, model)
         return model
     policy = ModuleWrapPolicy({Block}) if kind == "gpt" else None
     return FSDP(
@@ -75,7 +80,7 @@ def wrap(kind: str, setup: str) -> torch.nn.Module:
 
 
 def full_params(model: torch.nn.Module, setup: str) -> dict[str, torch.Tensor]:
-    if setup == "fsdp2":
+    if setup.startswith("fsdp2"):
         return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     with FSDP.summon_full_params(model):
         return {

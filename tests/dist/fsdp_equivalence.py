@@ -97,6 +97,14 @@ def errors() -> dict[str, str]:
         opt.step()
     except ValueError as e:
         out["flat_unconfigured"] = str(e)
+    orig = wrap("odd", "fsdp1_orig")
+    try:
+        for p in orig.parameters():
+            p.grad = torch.zeros_like(p)
+        Gefen(orig.parameters()).step()
+    except ValueError as e:
+        out["orig_unconfigured"] = str(e)
+    out["through_accelerate"] = through_accelerate(orig)
     opt = Gefen(model.parameters())
     gefen_dist.fsdp.configure(model, opt)
     try:
@@ -109,6 +117,17 @@ def errors() -> dict[str, str]:
     except ValueError as e:
         out["wrong_model"] = str(e)
     return out
+
+
+def through_accelerate(model) -> str:
+    """configure takes the optimizer Accelerate's prepare hands back (AcceleratedOptimizer)."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)
+    opt = Gefen(model.parameters())
+    gefen_dist.fsdp.configure(model, AcceleratedOptimizer(opt, device_placement=False))
+    return "configured" if getattr(opt, "_gefen_fsdp", None) is not None else "not configured"
 
 
 def main() -> None:
