@@ -25,7 +25,8 @@ Trainer's ``--deepspeed``) get Gefen. DeepSpeed resolves a type it does not know
 ``getattr(torch.optim, name)``; the hook adds ``"gefen"`` to DeepSpeed's own optimizer names (which
 makes its config lower-case the type and its sanity check accept it) and builds Gefen in
 ``DeepSpeedEngine._configure_basic_optimizer``. ``params`` are Gefen's keyword arguments; any other
-key is refused with the list of valid ones (DeepSpeed would pass it on as a TypeError).
+key is refused with the list of valid ones (DeepSpeed would pass it on as a TypeError), and so is a
+value of the wrong JSON type, by its key (an "auto" only Accelerate or the Trainer resolve).
 
 Checkpoints: ZeRO's rigid checkpoints (the default) carry each rank's ``Gefen.state_dict()``
 unchanged and load it through Gefen's own hooks, so a resume is exact. A state fits only the same
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -408,7 +410,10 @@ def configure(target: Any) -> None:
     Called automatically for engines built after this module was imported; calling it again is a
     no-op. Raises ValueError naming the problem for configurations Gefen does not support."""
     engine = target if isinstance(target, DeepSpeedEngine) else None
-    wrapper = engine.optimizer if engine is not None else target
+    _bind(engine, engine.optimizer if engine is not None else target)
+
+
+def _bind(engine: DeepSpeedEngine | None, wrapper: Any) -> None:
     if isinstance(wrapper, Gefen):
         return  # no ZeRO: Gefen is handed the model's own parameters
     gefen = getattr(wrapper, "optimizer", None)
@@ -438,25 +443,64 @@ def configure(target: Any) -> None:
     _BINDINGS[gefen] = _Binding(gefen, wrapper, name, flats, pg, republish)
 
 
-def _binding(engine: Any) -> _Binding:
+def _stepped(engine: Any) -> tuple[Gefen, _Binding | None]:
+    """The Gefen optimizer an engine (or ZeRO wrapper) steps, and its binding; no binding under
+    ZeRO-0 in fp32, where DeepSpeed steps Gefen itself on the model's own parameters."""
     wrapper = engine.optimizer if isinstance(engine, DeepSpeedEngine) else engine
-    b = _BINDINGS.get(getattr(wrapper, "optimizer", None))
+    if isinstance(wrapper, Gefen):
+        return wrapper, None
+    inner = getattr(wrapper, "optimizer", None)
+    if not isinstance(inner, Gefen):
+        what = "no optimizer" if wrapper is None else type(wrapper).__name__
+        raise ValueError(f"this engine steps {what}, not a Gefen optimizer")
+    b = _BINDINGS.get(inner)
     if b is None:
-        raise ValueError("no Gefen optimizer bound to this engine (see configure)")
+        raise ValueError(
+            f"the Gefen optimizer inside {type(wrapper).__name__} is not bound to its ZeRO "
+            "partitions (see configure)"
+        )
+    return inner, b
+
+
+def _binding(engine: Any) -> _Binding:
+    gefen, b = _stepped(engine)
+    if b is None:
+        raise ValueError("this Gefen optimizer is not under ZeRO: it steps whole parameters")
     return b
+
+
+def _unsharded_meta(engine: Any) -> dict[str, Any]:
+    """Every data-parallel rank keeps the whole state; the world size says over how many."""
+    if not dist.is_initialized():
+        return {"wrapper": "ZeRO-0", "rank": 0, "world_size": 1}
+    group = engine.seq_data_parallel_group if isinstance(engine, DeepSpeedEngine) else None
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    return {"wrapper": "ZeRO-0", "rank": rank, "world_size": world}
 
 
 def memory_report(engine: Any) -> dict[str, Any]:
     """``Gefen.memory_report()`` of this rank's partitions, with the wrapper, rank and world size.
 
-    ``adamw_bytes`` is what AdamW keeps for the same partitions under the same ZeRO stage."""
-    b = _binding(engine)
+    ``adamw_bytes`` is what AdamW keeps for the same partitions under the same ZeRO stage; under
+    ZeRO-0 (``wrapper`` "ZeRO-0") every rank holds the whole model's state."""
+    gefen, b = _stepped(engine)
+    if b is None:
+        return {**gefen.memory_report(), **_unsharded_meta(engine)}
     return {**b.with_all_params(b.gefen.memory_report), **b._meta()}
 
 
 def block_sizes(engine: Any) -> dict[str, int]:
     """Block size chosen for each original tensor with a piece on this rank, by parameter name."""
-    return _binding(engine).block_sizes()
+    gefen, b = _stepped(engine)
+    if b is not None:
+        return b.block_sizes()
+    module = engine.module if isinstance(engine, DeepSpeedEngine) else None
+    names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+    return {
+        names.get(id(p)) or gefen._name(p): int(st["layout"][0, 3])
+        for p, st in gefen.state.items()
+        if st
+    }
 
 
 # -- optimizer from a config ---------------------------------------------------------------
@@ -465,9 +509,55 @@ def _config_keys() -> list[str]:
     return [n for n in sig.parameters if n not in ("self", "params")]
 
 
+_NUMBERS = ("lr", "eps", "weight_decay")
+_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused")
+_AUTO_FILLED_BY = {
+    "lr": "Accelerate (from DummyOptim) and the Hugging Face Trainer",
+    "weight_decay": "Accelerate (from DummyOptim) and the Hugging Face Trainer",
+    "betas": "the Hugging Face Trainer",
+    "eps": "the Hugging Face Trainer",
+}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (numbers.Real, torch.Tensor)) and not isinstance(v, bool)
+
+
+def _check_types(kwargs: dict[str, Any]) -> None:
+    """Name the key of a value of the wrong JSON type: Gefen would fail on it with no word of
+    the config (or, for a truthy string such as "auto" in a flag, not fail at all)."""
+    for key, v in kwargs.items():
+        if key in _NUMBERS:
+            ok, want = _is_number(v), "a number"
+        elif key == "betas":
+            pair = isinstance(v, (list, tuple)) and len(v) == 2
+            ok, want = pair and all(_is_number(b) for b in v), "a pair of numbers [beta1, beta2]"
+        elif key == "bits":
+            ok, want = isinstance(v, int) and not isinstance(v, bool), "the integer 4 or 8"
+        elif key in _FLAGS:
+            ok = isinstance(v, bool) or (v is None and key in ("foreach", "fused"))
+            want = "true or false"
+        else:
+            continue
+        if ok:
+            continue
+        msg = f"DeepSpeed config optimizer {{'type': 'Gefen'}}: {key!r} must be {want}, got {v!r}"
+        values = v if isinstance(v, (list, tuple)) else [v]
+        if any(isinstance(x, str) and x == "auto" for x in values):
+            who = _AUTO_FILLED_BY.get(key)
+            msg += (
+                f' ("auto" is filled in by {who}; the plain deepspeed launcher and '
+                "deepspeed.initialize take the value as written)"
+                if who
+                else f' (no launcher fills in "auto" for {key!r})'
+            )
+        raise ValueError(msg)
+
+
 def from_config(params: Any, config_params: dict[str, Any] | None) -> Gefen:
     """Build Gefen from a DeepSpeed config's ``optimizer.params`` (lists become tuples: JSON has
-    no tuples and ``betas`` is one). Unknown keys raise ValueError listing the valid ones."""
+    no tuples and ``betas`` is one). Unknown keys, and values of the wrong JSON type (an "auto"
+    no launcher resolved, ``null``), raise ValueError naming the key."""
     kwargs = dict(config_params or {})
     valid = _config_keys()
     unknown = sorted(k for k in kwargs if k not in valid)
@@ -477,6 +567,7 @@ def from_config(params: Any, config_params: dict[str, Any] | None) -> Gefen:
             f"takes {valid} (AdamW's arguments plus bits); gradient clipping is DeepSpeed's "
             "top-level 'gradient_clipping'"
         )
+    _check_types(kwargs)
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
     return Gefen(params, **kwargs)
 
@@ -515,6 +606,33 @@ def _install() -> None:
 
     _configure_optimizer._gefen = True  # type: ignore[attr-defined]
     DeepSpeedEngine._configure_optimizer = _configure_optimizer
+    for name in (
+        "_configure_zero_optimizer",
+        "_configure_bf16_optimizer",
+        "_configure_fp16_optimizer",
+    ):
+        _bind_on_return(name)
+
+
+def _bind_on_return(name: str) -> None:
+    """Bind where DeepSpeed builds the wrapper too. Gefen's constructor imports this module
+    when deepspeed is loaded, so a Gefen built by a callable (``deepspeed.initialize(optimizer=
+    lambda ps: Gefen(ps))``) with gefen_dist imported first installs it from inside
+    ``_configure_optimizer``, whose patched version was not the one called; the wrapper's
+    builder is looked up after, so its patch binds, and the other's ``configure`` is a no-op."""
+    original = getattr(DeepSpeedEngine, name)
+    if getattr(original, "_gefen", False):
+        return
+
+    @functools.wraps(original)
+    def build(self: DeepSpeedEngine, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        wrapper = original(self, optimizer, *args, **kwargs)
+        if isinstance(optimizer, Gefen):
+            _bind(self, wrapper)
+        return wrapper
+
+    build._gefen = True  # type: ignore[attr-defined]
+    setattr(DeepSpeedEngine, name, build)
 
 
 _install()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_util import deepspeed_run, read_results, torchrun
+from dist_util import deepspeed_run, duplicated_cross_bytes, read_results, torchrun
 
 from gefen_dist.register import register
 
@@ -75,6 +75,40 @@ def test_from_config_params():
     assert "'betas'" in out and "'bits'" in out
 
 
+def test_from_config_names_values_of_the_wrong_type():
+    """A value no launcher resolved ("auto"), or one JSON typed wrongly, fails naming its key;
+    a truthy string in a flag would otherwise be taken as true."""
+    pytest.importorskip("deepspeed")
+    out = _python(
+        "import torch\n"
+        "from gefen_dist.deepspeed import from_config\n"
+        "p = [torch.zeros(3, requires_grad=True)]\n"
+        "for bad in ({'lr': 'auto'}, {'weight_decay': 'auto'}, {'betas': 'auto'},\n"
+        "            {'betas': [0.9, 'auto']}, {'betas': [0.9]}, {'eps': None},\n"
+        "            {'lr': '3e-4'}, {'bits': 'auto'}, {'maximize': 'auto'}):\n"
+        "    try:\n"
+        "        from_config(p, {'lr': 0.1, **bad})\n"
+        "        print('>> accepted', bad)\n"
+        "    except ValueError as e:\n"
+        "        print('>>', e)\n"
+    )
+    lines = [x[3:] for x in out.splitlines() if x.startswith(">> ")]  # DeepSpeed logs to stdout
+    assert not [x for x in lines if x.startswith("accepted")], out
+    lr, wd, betas, beta_auto, one_beta, eps, lr_str, bits, maximize = lines
+    prefix = "DeepSpeed config optimizer {'type': 'Gefen'}: "
+    assert lr.startswith(prefix + "'lr' must be a number, got 'auto' (")
+    assert "Accelerate" in lr and "the plain deepspeed launcher" in lr
+    assert "'weight_decay' must be a number, got 'auto'" in wd and "Accelerate" in wd
+    assert "'betas' must be a pair of numbers [beta1, beta2], got 'auto'" in betas
+    assert "Hugging Face Trainer" in betas and "Accelerate" not in betas
+    assert "got [0.9, 'auto']" in beta_auto and "Hugging Face Trainer" in beta_auto
+    assert "'betas' must be a pair of numbers [beta1, beta2], got [0.9]" in one_beta
+    assert "'eps' must be a number, got None" in eps
+    assert lr_str == prefix + "'lr' must be a number, got '3e-4'"
+    assert "'bits' must be the integer 4 or 8, got 'auto'" in bits and "no launcher" in bits
+    assert "'maximize' must be true or false, got 'auto'" in maximize
+
+
 @pytest.fixture(scope="module")
 def ds_json(tmp_path_factory):
     pytest.importorskip("deepspeed")
@@ -100,9 +134,9 @@ def test_deepspeed_json_builds_gefen(ds_json, stage):
         assert got["basic"] == "Gefen" and got["wrapper"] == WRAPPER[stage]
         assert got["betas"] == [0.9, 0.95] and got["weight_decay"] == 0.1
         assert got["bits"] == (8 if stage == 2 else 4)  # the JSON's bits reaches Gefen
-        if stage:
-            assert got["codebook_levels"] == 2 ** got["bits"]
-            assert got["memory"] > 0
+        assert got["codebook_levels"] == 2 ** got["bits"]
+        assert isinstance(got["memory"], dict), got["memory"]
+        assert got["memory"]["state_bytes"] > 0
     a, b = (r[f"zero{stage}"]["losses"] for r in ds_json)
     assert a[0] != b[0]  # each rank its own batch
     assert a[-1] < a[0] + 0.1 and all(x == x for x in a + b)
@@ -120,9 +154,37 @@ def test_deepspeed_json_follows_across_stages(ds_json):
             assert max(abs(x - y) for x, y in zip(got, ref, strict=True)) < tol, (stage, got, ref)
 
 
+def test_deepspeed_json_zero0_memory_report_and_block_sizes(ds_json):
+    """Under ZeRO-0 DeepSpeed steps Gefen itself, with no ZeRO wrapper around it: the report is
+    Gefen's own, the whole model's state on every rank, which ZeRO-1's two partitions add up to
+    (plus the second state of each block a partition boundary cuts, and v_cross copies)."""
+    for r in ds_json:
+        mem, blocks = r["zero0"]["memory"], r["zero0"]["blocks"]
+        assert isinstance(mem, dict), mem
+        assert (mem["wrapper"], mem["rank"], mem["world_size"]) == ("ZeRO-0", r["rank"], 2)
+        assert mem["params"] == sum(q["zero1"]["memory"]["params"] for q in ds_json)
+        assert 0 < mem["state_bytes"] < mem["adamw_bytes"] == 8 * mem["params"]
+        assert isinstance(blocks, dict), blocks
+        assert blocks == {**ds_json[0]["zero1"]["blocks"], **ds_json[1]["zero1"]["blocks"]}
+    whole = ds_json[0]["zero0"]["memory"]["state_bytes"]
+    assert ds_json[1]["zero0"]["memory"]["state_bytes"] == whole
+    zero1 = [r["zero1"]["memory"] for r in ds_json]
+    total = sum(m["state_bytes"] for m in zero1)
+    assert whole <= total <= whole + 1024 + duplicated_cross_bytes(zero1)
+
+
 def test_deepspeed_json_unknown_param_is_refused(ds_json):
     msg = ds_json[0]["unknown_param"]
     assert msg is not None and "unknown params ['momentum']" in msg and "'bits'" in msg
+
+
+def test_deepspeed_json_unresolved_auto_is_named(ds_json):
+    """deepspeed.initialize with "lr": "auto" left in: the error names the key and who resolves
+    "auto" (DeepSpeed itself reads optimizer params only through Gefen's constructor path)."""
+    for r in ds_json:
+        msg = r["auto_lr"]
+        assert msg is not None and msg.startswith("ValueError: "), msg
+        assert "'lr' must be a number, got 'auto'" in msg and "Accelerate" in msg
 
 
 def _accelerate(tmp_path, env):
@@ -201,3 +263,18 @@ def test_hf_trainer_trains_saves_resumes(tmp_path, mode):
         assert sorted(r["losses"], key=int) == [str(s) for s in range(1, 7)]
         assert all(again["losses"][str(s)] == r["losses"][str(s)] for s in (4, 5, 6))
         assert again["weights"] == r["weights"]
+
+
+def test_deepspeed_callable_optimizer_binds_when_gefen_dist_came_first(tmp_path):
+    """With gefen_dist imported before deepspeed and no register(), a Gefen built by a callable
+    brings the integration in from inside deepspeed.initialize: it must still bind to the ZeRO
+    partitions (it had left each flat partition one 1-D tensor, at bf16 moments' 4 bytes an
+    element), as when the integration was there before."""
+    pytest.importorskip("deepspeed")
+    deepspeed_run("ds_callable.py", str(tmp_path))
+    ranks = read_results(tmp_path)
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["installed_before"] is False
+        assert "error" not in r["first"], r["first"]
+        assert r["first"] == r["again"]
