@@ -14,7 +14,14 @@ Each rank trains on its GPU (LOCAL_RANK, NCCL) where torch sees one, else on the
 ``device: cpu`` in the config keeps GPUs out. Only the CPU runs here: the GPU path is written to
 the launchers' conventions and has not run. Rank 0 draws a progress bar and, with ``--out``,
 writes a JSON with the loss curve and every rank's optimizer-state bytes, parameters held, peak
-RSS and median step time.
+RSS and median step time, and says what actually ran (Accelerate on a CPU, say, runs plain data
+parallel whatever its config asked for).
+
+With ``checkpoint.dir`` set, the run saves at ``checkpoint.save_at`` (0: the last step) through
+each framework's own path: DDP one torch.save by rank 0, FSDP1/FSDP2 torch.distributed.checkpoint,
+DeepSpeed ``engine.save_checkpoint``, Accelerate ``save_state``; every rank adds its step, data
+generator and loss curve. ``--resume DIR`` continues that run: same config (``checkpoint.*``
+aside), same launcher and world size, and the same losses as a run never stopped.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import math
 import os
 import resource
+import shlex
 import statistics
 import sys
 import time
@@ -58,6 +66,7 @@ DEFAULTS: dict = {
     },
     "sharding": {"mode": "ddp", "zero_stage": 2},
     "device": "auto",
+    "checkpoint": {"dir": "", "save_at": 0, "resume": ""},
 }
 CHOICES = {
     "device": ("auto", "cpu", "cuda"),
@@ -68,11 +77,23 @@ CHOICES = {
 }
 POSITIVE = {"steps", "eval_every", "data.batch_size", "data.val_batches", "data.max_bytes",
             "model.n_layer", "model.n_head", "model.n_embd", "model.block_size"}  # fmt: skip
+LAUNCHERS = {
+    "ddp": "torchrun --nproc_per_node 2",
+    "fsdp1": "torchrun --nproc_per_node 2",
+    "fsdp2": "torchrun --nproc_per_node 2",
+    "deepspeed": "deepspeed --num_gpus 2",
+    "accelerate": "accelerate launch --multi_gpu --num_processes 2",
+}
+TRAINER_FILE = "trainer_rank{}.pt"
 MiB = 2**20
 
 
 class ConfigError(ValueError):
     """A run config that names an unknown key, has a value of the wrong type or out of range."""
+
+
+class LauncherError(RuntimeError):
+    """The script was started without the launcher its sharding mode needs."""
 
 
 def _merge(defaults: dict, given: dict, where: str, prefix: str = "") -> dict:
@@ -112,9 +133,86 @@ def load_config(source: str | Path | dict | None) -> dict:
     if source is None:
         return copy.deepcopy(DEFAULTS)
     if isinstance(source, dict):
-        return _merge(DEFAULTS, source, "config")
+        cfg = _merge(DEFAULTS, source, "config")
+        check(cfg, "config")
+        return cfg
     text = Path(source).read_text()
-    return _merge(DEFAULTS, yaml.safe_load(text) or {}, str(source))
+    cfg = _merge(DEFAULTS, yaml.safe_load(text) or {}, str(source))
+    check(cfg, str(source))
+    return cfg
+
+
+def check(cfg: dict, where: str) -> None:
+    """The checks that span keys or need the optimizer's own rules, so that a bad value stops
+    the run here rather than on every rank after the process group started."""
+    o = cfg["optimizer"]
+    for key in ("lr", "betas", "weight_decay"):
+        # one key at a time over valid defaults, so the error can name the key at fault
+        trial = {**cfg, "optimizer": {**DEFAULTS["optimizer"], "name": o["name"], key: o[key]}}
+        try:
+            build_optimizer(trial, [torch.zeros(1, requires_grad=True)])
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"{where}: key 'optimizer.{key}' = {o[key]!r} is refused by {o['name']}: {e}"
+            ) from None
+    c = cfg["checkpoint"]
+    if not 0 <= c["save_at"] <= cfg["steps"]:
+        raise ConfigError(
+            f"{where}: key 'checkpoint.save_at' must be in [0, steps={cfg['steps']}] "
+            f"(0: the last step), got {c['save_at']}"
+        )
+    if c["save_at"] and not c["dir"]:
+        raise ConfigError(f"{where}: key 'checkpoint.save_at' needs 'checkpoint.dir' set")
+    if c["resume"] and not (Path(c["resume"]) / TRAINER_FILE.format(0)).is_file():
+        raise ConfigError(
+            f"{where}: key 'checkpoint.resume': {c['resume']!r} holds no checkpoint of this "
+            f"script (no {TRAINER_FILE.format(0)})"
+        )
+
+
+def check_launcher(cfg: dict, argv: list[str]) -> None:
+    """Without a launcher torch fails deep in rendezvous ("environment variable RANK expected");
+    say instead which launcher this mode takes. MPI launches set their own rank variables, which
+    DeepSpeed and Accelerate read."""
+    mode = cfg["sharding"]["mode"]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    mpi = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    if mode in ("deepspeed", "accelerate") and any(n in os.environ for n in mpi):
+        return
+    command = " ".join([LAUNCHERS[mode], shlex.quote(sys.argv[0]), *map(shlex.quote, argv)])
+    raise LauncherError(
+        f"sharding.mode {mode!r} runs one process per rank under a launcher, and none started "
+        f"this one (RANK and WORLD_SIZE are not set). Run:\n    {command}"
+    )
+
+
+def check_resume(cfg: dict) -> None:
+    """A resumed run must repeat the saved run's settings: any other model, data, schedule or
+    world size would not continue the same sequence, and would fail later and less clearly."""
+    d = Path(cfg["checkpoint"]["resume"])
+    saved = torch.load(d / TRAINER_FILE.format(0), weights_only=True)
+    old, new = _flat(saved["config"]), _flat(cfg)
+    differ = [
+        f"{k}: {old.get(k)!r} saved, {new.get(k)!r} now"
+        for k in sorted(old.keys() | new.keys())
+        if not k.startswith("checkpoint.") and old.get(k) != new.get(k)
+    ]
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and int(world) != saved["world_size"]:
+        differ.append(f"world size: {saved['world_size']} saved, {world} now")
+    if differ:
+        raise ConfigError(
+            f"checkpoint.resume {str(d)!r}: a resumed run needs the saved run's config and world "
+            "size; " + "; ".join(differ)
+        )
+
+
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in cfg.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def set_key(cfg: dict, dotted: str) -> None:
@@ -214,10 +312,17 @@ def setup(cfg: dict, model: torch.nn.Module, device: torch.device):
         return engine, opt, engine, None
     if mode == "accelerate":
         from accelerate import Accelerator
+        from accelerate.utils import DistributedType
+
+        import gefen_dist.fsdp
 
         accelerator = Accelerator(cpu=device.type == "cpu")
+        _warn_accelerate_fallback(accelerator)
         opt = build_optimizer(cfg, model.parameters())
         model, opt = accelerator.prepare(model, opt)
+        fsdp1 = accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
+        if fsdp1 and isinstance(opt.optimizer, Gefen):
+            gefen_dist.fsdp.configure(model, opt.optimizer)
         return model, opt, None, accelerator
     dist.init_process_group(backend)
     model.to(device)
@@ -246,6 +351,103 @@ def setup(cfg: dict, model: torch.nn.Module, device: torch.device):
         fully_shard(model, mesh=mesh)
         opt = build_optimizer(cfg, model.parameters())
     return model, opt, engine, accelerator
+
+
+def _warn_accelerate_fallback(accelerator) -> None:
+    """Accelerate on a CPU ignores an FSDP or DeepSpeed config and runs plain data parallel, every
+    rank holding the whole model and optimizer state, without a word: say so, once."""
+    from accelerate.utils import DistributedType
+
+    flags = {"FSDP": "ACCELERATE_USE_FSDP", "DeepSpeed": "ACCELERATE_USE_DEEPSPEED"}
+    asked = [name for name, var in flags.items() if os.environ.get(var, "").lower() == "true"]
+    ran = accelerator.distributed_type
+    if asked and ran not in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        if accelerator.is_main_process:
+            print(
+                f"warning: the Accelerate config asks for {' and '.join(asked)}, but Accelerate "
+                f"runs {ran.value} on {accelerator.device.type}: plain data parallel, no "
+                "sharding (every rank keeps the whole model and optimizer state)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def what_ran(cfg: dict, engine, accelerator, device: torch.device) -> dict:
+    """What the launcher and framework actually ran, which can differ from what was asked."""
+    ran = dict(
+        mode=cfg["sharding"]["mode"],
+        device=str(device),
+        backend=str(dist.get_backend()),
+        distributed_type=cfg["sharding"]["mode"].upper(),
+    )
+    if engine is not None:
+        ran.update(distributed_type="DEEPSPEED", zero_stage=engine.zero_optimization_stage())
+    elif accelerator is not None:
+        from accelerate.utils import DistributedType
+
+        ran["distributed_type"] = accelerator.distributed_type.value
+        if accelerator.distributed_type == DistributedType.FSDP:
+            ran["fsdp_version"] = 2 if accelerator.is_fsdp2 else 1
+        elif accelerator.distributed_type == DistributedType.DEEPSPEED:
+            ran["zero_stage"] = accelerator.state.deepspeed_plugin.zero_stage
+    return ran
+
+
+def _ran_label(ran: dict) -> str:
+    what = ran["distributed_type"]
+    if "zero_stage" in ran:
+        what += f" ZeRO-{ran['zero_stage']}"
+    if "fsdp_version" in ran:
+        what += f"{ran['fsdp_version']}"
+    return f"{what} on {ran['device']} ({ran['backend']})"
+
+
+def save_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, trainer: dict) -> None:
+    """Each framework's own checkpoint, then every rank's trainer file, written last so that a
+    directory holding one holds a complete checkpoint."""
+    mode = cfg["sharding"]["mode"]
+    d.mkdir(parents=True, exist_ok=True)
+    if engine is not None:
+        engine.save_checkpoint(str(d), tag="deepspeed")
+    elif accelerator is not None:
+        accelerator.save_state(str(d / "accelerate"))
+    elif mode == "ddp":
+        if dist.get_rank() == 0:
+            state = {"model": model.module.state_dict(), "optim": opt.state_dict()}
+            torch.save(state, d / "ddp.pt")
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(d / "dcp"))
+    dist.barrier()
+    torch.save(trainer, d / TRAINER_FILE.format(dist.get_rank()))
+    dist.barrier()
+
+
+def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device) -> dict:
+    """Load what ``save_checkpoint`` wrote into the freshly built model and optimizer; returns
+    this rank's trainer state."""
+    mode = cfg["sharding"]["mode"]
+    if engine is not None:
+        path, _ = engine.load_checkpoint(str(d), tag="deepspeed")
+        if path is None:
+            raise FileNotFoundError(f"{d}: no DeepSpeed checkpoint (tag 'deepspeed')")
+    elif accelerator is not None:
+        accelerator.load_state(str(d / "accelerate"))
+    elif mode == "ddp":
+        ck = torch.load(d / "ddp.pt", map_location=device, weights_only=True)
+        model.module.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optim"])
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(d / "dcp"))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    return torch.load(d / TRAINER_FILE.format(dist.get_rank()), weights_only=True)
 
 
 def clip(cfg: dict, model, accelerator) -> None:
@@ -311,11 +513,19 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
     ]
     gen = torch.Generator().manual_seed(1000 * cfg["seed"] + rank)
     base_lr = [g["lr"] for g in opt.param_groups]
-    curve = [dict(step=0, train_loss=None, val_loss=_mean(evaluate(model, val)))]
+    ck = cfg["checkpoint"]
+    save_at = (ck["save_at"] or cfg["steps"]) if ck["dir"] else None
+    first = 0
     window: list[float] = []
+    if ck["resume"]:
+        trainer = load_checkpoint(cfg, Path(ck["resume"]), model, opt, engine, accelerator, device)
+        first, window, curve = trainer["step"], trainer["window"], trainer["curve"]
+        gen.set_state(trainer["data_rng"])
+    else:
+        curve = [dict(step=0, train_loss=None, val_loss=_mean(evaluate(model, val)))]
     times: list[float] = []
     t_start = time.perf_counter()
-    for step in range(1, cfg["steps"] + 1):
+    for step in range(first + 1, cfg["steps"] + 1):
         t0 = time.perf_counter()
         for g, lr in zip(opt.param_groups, base_lr, strict=True):
             g["lr"] = lr * lr_factor(cfg, step - 1)
@@ -335,9 +545,15 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
             tl = _mean(sum(window) / len(window))
             curve.append(dict(step=step, train_loss=tl, val_loss=_mean(evaluate(model, val))))
             window = []
+        if step == save_at:
+            trainer = dict(step=step, data_rng=gen.get_state(), window=window, curve=curve,
+                           config=cfg, world_size=world)  # fmt: skip
+            save_checkpoint(cfg, Path(ck["dir"]), model, opt, engine, accelerator, trainer)
         if rank == 0 and progress:
-            _bar(step, cfg["steps"], window[-1] if window else curve[-1]["train_loss"], t_start)
+            _bar(step - first, cfg["steps"] - first,
+                 window[-1] if window else curve[-1]["train_loss"], t_start)  # fmt: skip
     wall = time.perf_counter() - t_start
+    ran = what_ran(cfg, engine, accelerator, device)
     held, n = state_bytes(opt)
     mine = torch.tensor(
         [
@@ -366,7 +582,9 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
         ]
         result = dict(
             config=cfg,
+            ran=ran,
             world_size=world,
+            resumed_from_step=first,
             n_params=sum(p.numel() for p in GPT(mcfg).parameters()),
             curve=curve,
             final_train_loss=curve[-1]["train_loss"],
@@ -378,7 +596,11 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
         if out:
             Path(out).write_text(json.dumps(result, indent=1))
         name, mode = cfg["optimizer"]["name"], cfg["sharding"]["mode"]
-        print(f"{name} under {mode}, {world} ranks: final val loss {curve[-1]['val_loss']:.4f}")
+        print(
+            f"{name} under {mode}, ran {_ran_label(ran)}, {world} ranks"
+            + (f", resumed at step {first}" if first else "")
+            + f": final val loss {curve[-1]['val_loss']:.4f}"
+        )
         for r in ranks:
             ratio = r["state_bytes"] / r["adamw_bytes"] if r["adamw_bytes"] else 0.0
             print(
@@ -388,6 +610,14 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
     # Every path ends by destroying its process group after a barrier: a rank that exits with
     # gloo's threads still live can abort in teardown ("terminate called without an active
     # exception"), as one accelerate rank and later one DeepSpeed rank did in CI.
+    # DDP's C++ Reducer holds the group as well and keeps the GIL in its destructor: freed after
+    # the group was destroyed (as this frame returned), it joined a gloo thread waiting for the
+    # GIL and the rank hung (twice in accelerate runs). Freed here, while the group is still
+    # registered, it leaves the last reference to the group object, which releases the GIL.
+    del model, opt, engine
+    if accelerator is not None:
+        accelerator.free_memory()
+    gc.collect()
     if accelerator is not None:
         accelerator.wait_for_everyone()
         accelerator.end_training()
@@ -408,6 +638,9 @@ def main(argv: list[str] | None = None) -> None:
         help="override one key, e.g. --set optimizer.name=adamw (repeatable)",
     )
     ap.add_argument("--out", help="rank 0 writes the results JSON here")
+    ap.add_argument(
+        "--resume", metavar="DIR", help="continue the run checkpointed in DIR (checkpoint.resume)"
+    )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -415,7 +648,14 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config)
         for s in args.set:
             set_key(cfg, s)
-    except ConfigError as e:
+        if args.resume:
+            cfg["checkpoint"]["resume"] = args.resume
+        edited = " with --set/--resume" if args.set or args.resume else ""
+        check(cfg, (args.config or "DEFAULTS") + edited)
+        check_launcher(cfg, sys.argv[1:] if argv is None else argv)
+        if cfg["checkpoint"]["resume"]:
+            check_resume(cfg)
+    except (ConfigError, LauncherError) as e:
         ap.exit(2, f"error: {e}\n")
     train(cfg, args.out, progress=not args.no_progress)
     # The process group, the model and the optimizer sit in reference cycles, so without this

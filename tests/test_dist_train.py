@@ -14,17 +14,37 @@ TRAIN = Path(__file__).parent.parent / "launch" / "train.py"
 CONFIGS = Path(__file__).parent.parent / "configs" / "run"
 
 
-def _launcher(name: str, cfg: Path, out: Path) -> list[str]:
+def _launcher(name: str, cfg: Path, out: Path, *extra: str) -> list[str]:
     args = [str(TRAIN), "--config", str(cfg), "--set", "steps=3", "--set", "model.n_layer=1",
-            "--no-progress", "--out", str(out)]  # fmt: skip
+            "--no-progress", "--out", str(out), *extra]  # fmt: skip
     port = str(free_port())
     if name == "deepspeed":
         return ["deepspeed", "--num_gpus", "2", f"--master_port={port}", *args]
     if name == "accelerate":
         return ["accelerate", "launch", "--multi_gpu", "--num_processes", "2",
                 f"--main_process_port={port}", *args]  # fmt: skip
+    if name.startswith("accelerate:"):  # an Accelerate config file instead of --multi_gpu
+        return ["accelerate", "launch", "--config_file", name.split(":", 1)[1],
+                f"--main_process_port={port}", *args]  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
             f"--master_port={port}", *args]  # fmt: skip
+
+
+def _launch(launcher: str, config: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(_launcher(launcher, CONFIGS / config, out, *extra), env=env,
+                       capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return p
+
+
+RAN = {
+    "ddp.yaml": {"distributed_type": "DDP"},
+    "fsdp1.yaml": {"distributed_type": "FSDP1"},
+    "fsdp2.yaml": {"distributed_type": "FSDP2"},
+    "deepspeed_zero2.yaml": {"distributed_type": "DEEPSPEED", "zero_stage": 2},
+    "accelerate.yaml": {"distributed_type": "MULTI_CPU"},  # Accelerate on CPUs: plain DDP
+}
 
 
 @pytest.mark.parametrize(
@@ -35,12 +55,12 @@ def _launcher(name: str, cfg: Path, out: Path) -> list[str]:
 def test_run_config_trains_under_each_launcher(launcher, config, tmp_path):
     """launch/train.py is one script for torchrun, deepspeed and accelerate launch."""
     out = tmp_path / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(_launcher(launcher, CONFIGS / config, out), env=env, capture_output=True,
-                       text=True, timeout=400)  # fmt: skip
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    p = _launch(launcher, config, out)
     res = json.loads(out.read_text())
     assert res["world_size"] == 2 and res["config"]["model"]["n_layer"] == 1
+    assert res["ran"]["device"].startswith("cpu") and res["ran"]["backend"] == "gloo"
+    assert {k: res["ran"][k] for k in RAN[config]} == RAN[config]
+    assert f"ran {RAN[config]['distributed_type']}" in p.stdout, p.stdout
     for r in res["ranks"]:
         assert 0 < r["state_bytes"] < 0.25 * r["adamw_bytes"]
     if config in ("ddp.yaml", "accelerate.yaml"):  # replicated: both ranks hold the whole state
@@ -66,6 +86,15 @@ def _train_module():
         ("data: 5", "data"),
         ("steps: 0", "steps"),
         ("device: tpu", "device"),
+        ("optimizer: {lr: -1}", "optimizer.lr"),
+        ("optimizer: {weight_decay: -1}", "optimizer.weight_decay"),
+        ("optimizer: {betas: [0.9, 1.0]}", "optimizer.betas"),
+        ("optimizer: {name: adamw, betas: [0.9, 1.0]}", "optimizer.betas"),
+        ("optimizer: {name: adamw, lr: -1.0e-3}", "optimizer.lr"),
+        ("optimizer: {betas: [0.9, high]}", "optimizer.betas"),
+        ("checkpoint: {dir: ck, save_at: 41}", "checkpoint.save_at"),
+        ("checkpoint: {save_at: 5}", "checkpoint.save_at"),
+        ("checkpoint: {resume: /nonexistent}", "checkpoint.resume"),
     ],
 )
 def test_a_bad_run_config_key_is_named(text, named, tmp_path):
@@ -105,3 +134,99 @@ def test_every_shipped_run_config_is_valid():
     assert configs
     for c in configs:
         assert train.load_config(c)["sharding"]["mode"] in c.stem
+
+
+def _rendezvous_env(world: int) -> dict:
+    """What a launcher sets for a process group of ``world`` ranks: without the config check, a
+    1-rank group starts and the optimizer fails inside it."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0",
+            "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "override,named",
+    [("optimizer.lr=-1", "optimizer.lr"), ("optimizer.weight_decay=-1", "optimizer.weight_decay"),
+     ("optimizer.betas=[0.9,1.0]", "optimizer.betas")],
+)  # fmt: skip
+def test_a_bad_optimizer_value_stops_the_script_before_any_process_group(override, named):
+    p = subprocess.run([sys.executable, str(TRAIN), "--config", str(CONFIGS / "ddp.yaml"),
+                        "--set", override], env=_rendezvous_env(1), capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"'{named}'" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "config,launcher",
+    [("ddp.yaml", "torchrun --nproc_per_node 2"), ("fsdp1.yaml", "torchrun --nproc_per_node 2"),
+     ("fsdp2.yaml", "torchrun --nproc_per_node 2"),
+     ("deepspeed_zero2.yaml", "deepspeed --num_gpus 2"),
+     ("accelerate.yaml", "accelerate launch --multi_gpu --num_processes 2")],
+)  # fmt: skip
+def test_without_a_launcher_the_script_says_which_to_use(config, launcher):
+    """Not torch's "environment variable RANK expected" from deep in rendezvous."""
+    gone = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in gone}
+    args = [str(TRAIN), "--config", str(CONFIGS / config), "--set", "steps=3"]
+    p = subprocess.run([sys.executable, *args], env={**env, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert f"{launcher} {TRAIN} --config {CONFIGS / config} --set steps=3" in p.stderr, p.stderr
+
+
+def test_accelerate_on_cpus_says_it_ignored_an_fsdp_config(tmp_path):
+    """Accelerate on a machine without a GPU runs an FSDP config as plain multi-process DDP; the
+    run must say so rather than report the config's wish."""
+    out = tmp_path / "out.json"
+    fsdp2 = Path(__file__).parent.parent / "configs" / "accelerate_fsdp2.yaml"
+    p = _launch(f"accelerate:{fsdp2}", "accelerate.yaml", out)
+    warnings = [line for line in p.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "asks for FSDP" in warnings[0], p.stderr[-3000:]
+    assert "MULTI_CPU" in warnings[0] and "no sharding" in warnings[0]
+    res = json.loads(out.read_text())
+    assert res["ran"]["distributed_type"] == "MULTI_CPU" and "fsdp_version" not in res["ran"]
+
+
+TINY = ["--set", "steps=4", "--set", "eval_every=1", "--set", "model.n_embd=32",
+        "--set", "model.block_size=16", "--set", "data.batch_size=2",
+        "--set", "data.val_batches=1", "--set", "data.max_bytes=65536"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "launcher,config",
+    [("torchrun", "ddp.yaml"), ("torchrun", "fsdp1.yaml"), ("torchrun", "fsdp2.yaml"),
+     ("deepspeed", "deepspeed_zero2.yaml"), ("accelerate", "accelerate.yaml")],
+)  # fmt: skip
+def test_a_resumed_run_ends_exactly_as_one_never_stopped(launcher, config, tmp_path):
+    """4 steps straight; 4 steps saving at step 2; then a fresh launch resuming from that save
+    runs steps 3 and 4. Every rank's data order, the lr schedule and the model and optimizer
+    state carry over, and on CPUs each framework's steps are deterministic: the losses after
+    every step (mean train loss over ranks and validation loss, evaluated each step) agree bit
+    for bit."""
+    ck = tmp_path / "ck"
+    runs = {}
+    for name, extra in [
+        ("straight", []),
+        ("saving", ["--set", f"checkpoint.dir={ck}", "--set", "checkpoint.save_at=2"]),
+        ("resumed", ["--resume", str(ck)]),
+    ]:
+        out = tmp_path / f"{name}.json"
+        _launch(launcher, config, out, *TINY, *extra)
+        runs[name] = json.loads(out.read_text())
+    straight, saving, resumed = runs["straight"], runs["saving"], runs["resumed"]
+    assert resumed["resumed_from_step"] == 2 and straight["resumed_from_step"] == 0
+    assert [c["step"] for c in straight["curve"]] == [0, 1, 2, 3, 4]
+    assert saving["curve"] == straight["curve"]
+    assert resumed["curve"] == straight["curve"]
+    assert resumed["final_val_loss"] == straight["final_val_loss"]
+    assert [r["state_bytes"] for r in resumed["ranks"]] == [
+        r["state_bytes"] for r in straight["ranks"]
+    ]
+    if config == "ddp.yaml":  # another config cannot continue the sequence: refused up front
+        p = subprocess.run([sys.executable, str(TRAIN), "--config", str(CONFIGS / config),
+                            *TINY, "--set", "optimizer.lr=2.0e-3", "--resume", str(ck)],
+                           env=_rendezvous_env(2), capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+        assert p.returncode == 2 and "optimizer.lr: 0.001 saved, 0.002 now" in p.stderr, p.stderr
