@@ -9,13 +9,19 @@ the run before any process group starts, naming the key. The same file runs unde
     deepspeed --num_gpus 2 launch/train.py --config configs/run/deepspeed_zero2.yaml
     accelerate launch --multi_gpu --num_processes 2 launch/train.py \
         --config configs/run/accelerate.yaml    # CPU processes where there is no GPU
+    ACCELERATE_USE_DEEPSPEED=true ACCELERATE_DEEPSPEED_CONFIG_FILE=configs/ds_zero2_auto_cpu.json \
+        torchrun --nproc_per_node 2 launch/train.py --config configs/run/accelerate.yaml
 
 Each rank trains on its GPU (LOCAL_RANK, NCCL) where torch sees one, else on the CPU (gloo);
 ``device: cpu`` in the config keeps GPUs out. Only the CPU runs here: the GPU path is written to
 the launchers' conventions and has not run. Rank 0 draws a progress bar and, with ``--out``,
 writes a JSON with the loss curve and every rank's optimizer-state bytes, parameters held, peak
-RSS and median step time, and says what actually ran (Accelerate on a CPU, say, runs plain data
-parallel whatever its config asked for).
+RSS and median step time, and says what actually ran (Accelerate on a CPU, say, runs an FSDP
+config as plain data parallel).
+
+Under Accelerate's DeepSpeed, a DeepSpeed config with an ``"optimizer"`` section makes DeepSpeed
+build the optimizer (``"type": "Gefen"``) with the run config's lr and weight decay; its other
+settings (betas, bits) are the DeepSpeed config's, and the run warns where they differ.
 
 With ``checkpoint.dir`` set, the run saves at ``checkpoint.save_at`` (0: the last step) through
 each framework's own path: DDP one torch.save by rank 0, FSDP1/FSDP2 torch.distributed.checkpoint,
@@ -256,10 +262,16 @@ def build_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
     return Gefen(params, bits=o["bits"], **common)
 
 
+def stepped(opt) -> torch.optim.Optimizer:
+    """The optimizer that updates the weights, inside DeepSpeed's and Accelerate's wrappers."""
+    while hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return opt
+
+
 def state_bytes(opt) -> tuple[int, int]:
     """(optimizer-state bytes, parameters it holds state for) on this rank."""
-    while hasattr(opt, "optimizer"):  # DeepSpeed's and Accelerate's wrappers
-        opt = opt.optimizer
+    opt = stepped(opt)
     if isinstance(opt, Gefen):
         rep = opt.memory_report()
         return int(rep["state_bytes"]), int(rep["params"])
@@ -312,14 +324,22 @@ def setup(cfg: dict, model: torch.nn.Module, device: torch.device):
         return engine, opt, engine, None
     if mode == "accelerate":
         from accelerate import Accelerator
-        from accelerate.utils import DistributedType
+        from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
         import gefen_dist.fsdp
 
-        accelerator = Accelerator(cpu=device.type == "cpu")
+        # cpu=True would make Accelerate drop DeepSpeed for plain data parallel; without a GPU
+        # its DeepSpeed path finds no backend unless told gloo, and calls every rank 0 of 1.
+        cpu = device.type == "cpu"
+        deepspeed_asked = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+        handlers = [InitProcessGroupKwargs(backend="gloo")] if cpu else []
+        accelerator = Accelerator(cpu=cpu and not deepspeed_asked, kwargs_handlers=handlers)
         _warn_accelerate_fallback(accelerator)
-        opt = build_optimizer(cfg, model.parameters())
-        model, opt = accelerator.prepare(model, opt)
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            model, opt = _prepare_accelerate_deepspeed(cfg, accelerator, model)
+        else:
+            opt = build_optimizer(cfg, model.parameters())
+            model, opt = accelerator.prepare(model, opt)
         fsdp1 = accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
         if fsdp1 and isinstance(opt.optimizer, Gefen):
             gefen_dist.fsdp.configure(model, opt.optimizer)
@@ -353,9 +373,54 @@ def setup(cfg: dict, model: torch.nn.Module, device: torch.device):
     return model, opt, engine, accelerator
 
 
+def _prepare_accelerate_deepspeed(cfg: dict, accelerator, model):
+    """Accelerate refuses a built optimizer when the DeepSpeed config defines one: DeepSpeed then
+    builds it from the config (Gefen only once ``gefen_dist.register()`` ran), taking the run
+    config's lr and weight decay through ``DummyOptim`` into the config's "auto"."""
+    from accelerate.utils import DummyOptim
+
+    import gefen_dist
+
+    gefen_dist.register("deepspeed")
+    o = cfg["optimizer"]
+    plugin = accelerator.state.deepspeed_plugin
+    # Left "auto", Accelerate wants a DataLoader for the batch size (this script has none) and
+    # clips at its own 1.0 whatever optimizer.grad_clip says.
+    plugin.fill_match("train_micro_batch_size_per_gpu", must_match=False,
+                      train_micro_batch_size_per_gpu=cfg["data"]["batch_size"])  # fmt: skip
+    plugin.fill_match("gradient_clipping", must_match=False,
+                      gradient_clipping=max(0.0, o["grad_clip"]))  # fmt: skip
+    section = plugin.deepspeed_config.get("optimizer")
+    where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "the DeepSpeed config")
+    if section is None:
+        opt = build_optimizer(cfg, model.parameters())
+    else:
+        named = str(section.get("type", "")).lower()
+        if named != o["name"]:
+            raise ConfigError(
+                f"optimizer.name is {o['name']!r}, but {where} builds its optimizer as "
+                f"{section.get('type')!r}: make them agree"
+            )
+        opt = DummyOptim(model.parameters(), lr=o["lr"], weight_decay=o["weight_decay"])
+    model, opt = accelerator.prepare(model, opt)
+    built = stepped(opt)
+    if o["name"] == "gefen" and not isinstance(built, Gefen):
+        raise RuntimeError(f"DeepSpeed built {type(built).__name__} from {where}, not Gefen")
+    if section is not None and isinstance(built, Gefen) and accelerator.is_main_process:
+        g = built.param_groups[0]
+        got = {k: g[k] for k in ("lr", "weight_decay", "bits")} | {"betas": list(g["betas"])}
+        differ = [f"optimizer.{k}={v!r} (run config: {o[k]!r})" for k, v in got.items()
+                  if v != o[k]]  # fmt: skip
+        if differ:
+            print(f"warning: {where} sets {', '.join(differ)}; the run uses its values",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    return model, opt
+
+
 def _warn_accelerate_fallback(accelerator) -> None:
-    """Accelerate on a CPU ignores an FSDP or DeepSpeed config and runs plain data parallel, every
-    rank holding the whole model and optimizer state, without a word: say so, once."""
+    """Accelerate on a CPU ignores an FSDP config (and a DeepSpeed one when told ``cpu=True``)
+    and runs plain data parallel, every rank holding the whole model and optimizer state,
+    without a word: say so, once."""
     from accelerate.utils import DistributedType
 
     flags = {"FSDP": "ACCELERATE_USE_FSDP", "DeepSpeed": "ACCELERATE_USE_DEEPSPEED"}
@@ -372,16 +437,18 @@ def _warn_accelerate_fallback(accelerator) -> None:
             )
 
 
-def what_ran(cfg: dict, engine, accelerator, device: torch.device) -> dict:
+def what_ran(cfg: dict, opt, engine, accelerator, device: torch.device) -> dict:
     """What the launcher and framework actually ran, which can differ from what was asked."""
     ran = dict(
         mode=cfg["sharding"]["mode"],
         device=str(device),
         backend=str(dist.get_backend()),
         distributed_type=cfg["sharding"]["mode"].upper(),
+        optimizer=type(stepped(opt)).__name__,
     )
     if engine is not None:
-        ran.update(distributed_type="DEEPSPEED", zero_stage=engine.zero_optimization_stage())
+        ran.update(distributed_type="DEEPSPEED", zero_stage=engine.zero_optimization_stage(),
+                   gradient_clipping=engine.gradient_clipping())  # fmt: skip
     elif accelerator is not None:
         from accelerate.utils import DistributedType
 
@@ -389,7 +456,9 @@ def what_ran(cfg: dict, engine, accelerator, device: torch.device) -> dict:
         if accelerator.distributed_type == DistributedType.FSDP:
             ran["fsdp_version"] = 2 if accelerator.is_fsdp2 else 1
         elif accelerator.distributed_type == DistributedType.DEEPSPEED:
-            ran["zero_stage"] = accelerator.state.deepspeed_plugin.zero_stage
+            ds = accelerator.deepspeed_engine_wrapped.engine
+            ran.update(zero_stage=ds.zero_optimization_stage(),
+                       gradient_clipping=ds.gradient_clipping())  # fmt: skip
     return ran
 
 
@@ -553,7 +622,7 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
             _bar(step - first, cfg["steps"] - first,
                  window[-1] if window else curve[-1]["train_loss"], t_start)  # fmt: skip
     wall = time.perf_counter() - t_start
-    ran = what_ran(cfg, engine, accelerator, device)
+    ran = what_ran(cfg, opt, engine, accelerator, device)
     held, n = state_bytes(opt)
     mine = torch.tensor(
         [
@@ -589,6 +658,7 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
             curve=curve,
             final_train_loss=curve[-1]["train_loss"],
             final_val_loss=curve[-1]["val_loss"],
+            final_lr=stepped(opt).param_groups[0]["lr"],
             wall_time_s=wall,
             ranks=ranks,
             torch_version=torch.__version__,

@@ -12,6 +12,13 @@ from dist_util import free_port
 
 TRAIN = Path(__file__).parent.parent / "launch" / "train.py"
 CONFIGS = Path(__file__).parent.parent / "configs" / "run"
+# Accelerate's DeepSpeed on CPU ranks, under torchrun (README, "Accelerate")
+LAUNCH_ENV = {
+    "accelerate-deepspeed": {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(CONFIGS.parent / "ds_zero2_auto_cpu.json"),
+    }
+}
 
 
 def _launcher(name: str, cfg: Path, out: Path, *extra: str) -> list[str]:
@@ -30,11 +37,13 @@ def _launcher(name: str, cfg: Path, out: Path, *extra: str) -> list[str]:
             f"--master_port={port}", *args]  # fmt: skip
 
 
-def _launch(launcher: str, config: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _launch(
+    launcher: str, config: str, out: Path, *extra: str, ok: bool = True
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **LAUNCH_ENV.get(launcher, {})}
     p = subprocess.run(_launcher(launcher, CONFIGS / config, out, *extra), env=env,
                        capture_output=True, text=True, timeout=400)  # fmt: skip
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    assert (p.returncode == 0) == ok, p.stdout[-3000:] + p.stderr[-6000:]
     return p
 
 
@@ -197,7 +206,8 @@ TINY = ["--set", "steps=4", "--set", "eval_every=1", "--set", "model.n_embd=32",
 @pytest.mark.parametrize(
     "launcher,config",
     [("torchrun", "ddp.yaml"), ("torchrun", "fsdp1.yaml"), ("torchrun", "fsdp2.yaml"),
-     ("deepspeed", "deepspeed_zero2.yaml"), ("accelerate", "accelerate.yaml")],
+     ("deepspeed", "deepspeed_zero2.yaml"), ("accelerate", "accelerate.yaml"),
+     ("accelerate-deepspeed", "accelerate.yaml")],
 )  # fmt: skip
 def test_a_resumed_run_ends_exactly_as_one_never_stopped(launcher, config, tmp_path):
     """4 steps straight; 4 steps saving at step 2; then a fresh launch resuming from that save
@@ -217,6 +227,10 @@ def test_a_resumed_run_ends_exactly_as_one_never_stopped(launcher, config, tmp_p
         runs[name] = json.loads(out.read_text())
     straight, saving, resumed = runs["straight"], runs["saving"], runs["resumed"]
     assert resumed["resumed_from_step"] == 2 and straight["resumed_from_step"] == 0
+    if launcher == "accelerate-deepspeed":  # not Accelerate's plain data parallel on CPUs
+        for run in runs.values():
+            assert (run["ran"]["distributed_type"], run["ran"].get("zero_stage")) == (
+                "DEEPSPEED", 2)  # fmt: skip
     assert [c["step"] for c in straight["curve"]] == [0, 1, 2, 3, 4]
     assert saving["curve"] == straight["curve"]
     assert resumed["curve"] == straight["curve"]
@@ -230,3 +244,53 @@ def test_a_resumed_run_ends_exactly_as_one_never_stopped(launcher, config, tmp_p
                            env=_rendezvous_env(2), capture_output=True, text=True,
                            timeout=120)  # fmt: skip
         assert p.returncode == 2 and "optimizer.lr: 0.001 saved, 0.002 now" in p.stderr, p.stderr
+
+
+def test_accelerate_deepspeed_zero2_steps_the_gefen_its_config_builds(tmp_path):
+    """The DeepSpeed JSON names the optimizer ("type": "Gefen"), so Accelerate takes no built one:
+    the script passes DummyOptim with the run config's lr and weight decay and fills the JSON's
+    "auto" batch size and clipping; the JSON's betas win, and the run says so. The same run under
+    Accelerate's plain DDP (no ACCELERATE_USE_DEEPSPEED) with the JSON's betas is the yardstick:
+    the same losses but for ZeRO's partition cuts, the same lr at the end of the schedule, and
+    half the optimizer state on each rank."""
+    # a schedule that has left warmup, and a clip below Accelerate's own 1.0
+    same = [*TINY, "--set", "optimizer.warmup=2", "--set", "optimizer.grad_clip=0.5"]
+    _launch("torchrun", "accelerate.yaml", tmp_path / "ddp.json", *same,
+            "--set", "optimizer.betas=[0.9,0.999]")  # fmt: skip
+    p = _launch("accelerate-deepspeed", "accelerate.yaml", tmp_path / "zero2.json", *same)
+    ddp, zero2 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ddp", "zero2"))
+    ran = zero2["ran"]
+    assert (ran["distributed_type"], ran.get("zero_stage"), ran["backend"]) == (
+        "DEEPSPEED", 2, "gloo")  # fmt: skip
+    assert ran["optimizer"] == "Gefen" and zero2["world_size"] == 2
+    assert ran["gradient_clipping"] == 0.5
+    assert ddp["ran"]["distributed_type"] == "MULTI_CPU" and ddp["ran"]["optimizer"] == "Gefen"
+    warnings = [line for line in p.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, p.stderr[-3000:]
+    assert "sets optimizer.betas=[0.9, 0.999] (run config: [0.9, 0.95])" in warnings[0]
+    factor = _train_module().lr_factor(zero2["config"], zero2["config"]["steps"] - 1)
+    assert factor < 1
+    assert zero2["final_lr"] == ddp["final_lr"] == pytest.approx(1e-3 * factor)
+    # ZeRO-2 cuts no Gefen block of this model (its partition boundary falls in a tensor kept
+    # per element), so only float sums differ from DDP: measured 5e-7 at most; a schedule that
+    # never reached DeepSpeed's Gefen moves the losses by 1e-2.
+    for a, b in zip(ddp["curve"], zero2["curve"], strict=True):
+        assert a["step"] == b["step"] and b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-5)
+    # ZeRO-2 splits the flat fp32 buffer (21472 elements, no padding) into equal halves. Their
+    # state differs from half of DDP's only by the mix of per-element (4 B) and coded elements
+    # each half holds: measured 16448 and 16192 B of 32640 (0.4% off half), and together exactly
+    # the whole, since no block is cut and no state duplicated.
+    whole, n = ddp["ranks"][0]["state_bytes"], ddp["ranks"][0]["state_params"]
+    assert all((r["state_bytes"], r["state_params"]) == (whole, n) for r in ddp["ranks"])
+    assert [r["state_params"] for r in zero2["ranks"]] == [n // 2, n // 2]
+    held = [r["state_bytes"] for r in zero2["ranks"]]
+    assert sum(held) == whole and all(abs(h - whole / 2) <= 0.01 * whole for h in held), held
+
+
+def test_accelerate_deepspeed_refuses_a_config_that_builds_another_optimizer(tmp_path):
+    """optimizer.name adamw, but the DeepSpeed JSON builds Gefen: stopped, naming both."""
+    out = tmp_path / "out.json"
+    p = _launch("accelerate-deepspeed", "accelerate.yaml", out, *TINY,
+                "--set", "optimizer.name=adamw", ok=False)  # fmt: skip
+    assert "optimizer.name is 'adamw'" in p.stderr and "'Gefen'" in p.stderr, p.stderr[-3000:]
+    assert not out.exists()
