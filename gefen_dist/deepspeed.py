@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import numbers
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,7 +56,7 @@ from deepspeed.runtime.zero import utils as zero_utils
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from .optimizer import Gefen
+from .optimizer import Gefen, is_real
 from .segments import Segment
 
 __all__ = ["configure", "memory_report", "block_sizes", "from_config", "META_KEY", "OPTIMIZER_TYPE"]
@@ -520,7 +519,7 @@ _AUTO_FILLED_BY = {
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (numbers.Real, torch.Tensor)) and not isinstance(v, bool)
+    return isinstance(v, torch.Tensor) or is_real(v)
 
 
 def _check_types(kwargs: dict[str, Any]) -> None:
@@ -594,18 +593,6 @@ def _install() -> None:
     if Gefen not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(Gefen)
     _install_config_type()
-    original = DeepSpeedEngine._configure_optimizer
-    if getattr(original, "_gefen", False):
-        return
-
-    @functools.wraps(original)
-    def _configure_optimizer(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        if isinstance(getattr(self, "basic_optimizer", None), Gefen):
-            configure(self)
-
-    _configure_optimizer._gefen = True  # type: ignore[attr-defined]
-    DeepSpeedEngine._configure_optimizer = _configure_optimizer
     for name in (
         "_configure_zero_optimizer",
         "_configure_bf16_optimizer",
@@ -615,11 +602,12 @@ def _install() -> None:
 
 
 def _bind_on_return(name: str) -> None:
-    """Bind where DeepSpeed builds the wrapper too. Gefen's constructor imports this module
-    when deepspeed is loaded, so a Gefen built by a callable (``deepspeed.initialize(optimizer=
-    lambda ps: Gefen(ps))``) with gefen_dist imported first installs it from inside
-    ``_configure_optimizer``, whose patched version was not the one called; the wrapper's
-    builder is looked up after, so its patch binds, and the other's ``configure`` is a no-op."""
+    """Bind Gefen where DeepSpeed builds the wrapper around it, not after
+    ``_configure_optimizer`` returns: Gefen's constructor imports this module when deepspeed is
+    loaded, so a Gefen built by a callable (``deepspeed.initialize(optimizer=lambda ps:
+    Gefen(ps))``) with gefen_dist imported first installs it from inside that very call, whose
+    own patch would come too late; the builders are looked up after. Without ZeRO (fp32) there is
+    no wrapper and nothing to bind."""
     original = getattr(DeepSpeedEngine, name)
     if getattr(original, "_gefen", False):
         return

@@ -868,6 +868,11 @@ def _check_hyper(g: dict[str, Any]) -> None:
         raise ValueError(f"Invalid bits: {bits!r} (must be the integer 4 or 8)")
 
 
+def is_real(value: Any) -> bool:
+    """A plain number for a setting; bool is an int to Python, never a learning rate."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _real(name: str, value: Any, tensor: bool = False) -> float:
     if tensor and isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -875,7 +880,7 @@ def _real(name: str, value: Any, tensor: bool = False) -> float:
                 f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}"
             )
         return float(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     return float(value)
 
