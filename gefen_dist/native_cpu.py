@@ -6,9 +6,13 @@ numba stays as a fallback where no compiler is found. Why ctypes: the library
 has a plain C ABI, so it builds in a few seconds with the system's C++ compiler, without torch's
 headers, and one build serves every torch version.
 
-The build goes to ``$GEFEN_CACHE_DIR`` (default ``~/.cache/gefen_dist``), keyed by the source,
-the flags and the CPU, so a changed source or another machine rebuilds and a rebuilt library
-never overwrites one a running process has loaded. ``$GEFEN_CPU_FLAGS`` appends to the flags:
+The source is the wheel's copy, ``gefen_dist/_csrc/`` (setup.py puts it there: ``csrc/`` sits
+outside the package), else a checkout's or an editable install's ``csrc/``, so an edit there
+takes effect with no reinstall. The build goes to ``$GEFEN_CACHE_DIR`` (default
+``~/.cache/gefen_dist``), keyed by the source's bytes (not its path: a wheel and a checkout of
+the same source share a build), the compiler, the flags and the CPU, so a changed source or
+another machine rebuilds and a rebuilt library never overwrites one a running process has
+loaded. ``$GEFEN_CPU_FLAGS`` appends to the flags:
 ``-mno-avx512f`` builds the AVX2 path on a machine with AVX-512, which is how the tests run
 every path. ``available()`` says whether it loaded, ``build_error()`` why not, ``isa()`` which
 vector path it runs.
@@ -30,7 +34,10 @@ import torch
 from . import segment_table as table
 from .reference import CROSS_FLOOR, Hyper, SegmentState, cross_length, local_factor
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "gefen_cpu.cpp"
+_HERE = Path(__file__).resolve().parent
+PACKAGED = _HERE / "_csrc" / "gefen_cpu.cpp"  # a wheel's copy (setup.py)
+CHECKOUT = _HERE.parent / "csrc" / "gefen_cpu.cpp"  # a checkout's, or an editable install's
+SOURCE = PACKAGED if PACKAGED.exists() else CHECKOUT
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
 _lib: ctypes.CDLL | None = None
@@ -59,7 +66,7 @@ def _flags() -> list[str]:
 
 def _build() -> ctypes.CDLL:
     if not SOURCE.exists():
-        raise RuntimeError(f"{SOURCE} not found (an install without csrc/)")
+        raise RuntimeError(f"{SOURCE} not found (a wheel built without setup.py's copy of csrc/?)")
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
