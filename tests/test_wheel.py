@@ -12,6 +12,7 @@ must not win, and the kernel must build (into an empty cache) from the wheel's c
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -100,6 +101,11 @@ def test_installed_wheel_builds_and_runs_the_packaged_kernel(tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], tmp_path)
     python = venv / "bin" / "python"
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site_dir = Path(_run([python, "-c", purelib], tmp_path).strip()).resolve()
+    if sys.prefix != sys.base_prefix:  # pytest runs in a venv: torch is in its site, not the base's
+        bridge = "".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages())
+        (site_dir / "_outer_venv.pth").write_text(bridge)
     # --force-reinstall: pip sees the system's editable gefen_dist as installed; it leaves it
     # alone (outside the venv) and installs the wheel in the venv's site-packages all the same
     install = ["-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall", wheel]
@@ -109,10 +115,8 @@ def test_installed_wheel_builds_and_runs_the_packaged_kernel(tmp_path):
     run.mkdir()
     out = _run([python, "-c", STEP], run, timeout=600, GEFEN_CACHE_DIR=str(cache))
     got = json.loads(out.strip().splitlines()[-1])
-    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
-    site = Path(_run([python, "-c", purelib], run).strip()).resolve()
-    assert Path(got["package"]).resolve() == site / "gefen_dist" / "__init__.py", got
-    assert Path(got["source"]).resolve() == site / PACKAGED, got
+    assert Path(got["package"]).resolve() == site_dir / "gefen_dist" / "__init__.py", got
+    assert Path(got["source"]).resolve() == site_dir / PACKAGED, got
     assert got["error"] is None, got
     assert got["backend"] == "native-cpu", got
     assert got["moved"] and got["finite"], got
