@@ -222,24 +222,10 @@ def markdown(
     ignored: dict,
     cmd: str,
     wall: str,
+    jobs: int = 2,
 ) -> str:
     L = ["# Gefen against its peers: quality, state and step time", ""]
-    L += [
-        f"Command: `{cmd}`  ",
-        f"Machine: {platform.machine()}, {_cores()} cores, torch {_torch()}, Python "
-        f"{platform.python_version()}, one torch thread per run, at most 2 runs at once.  ",
-        f"Code revision (last commit touching `gefen_dist/`): `{rev['code']}`, HEAD "
-        f"`{rev['head']}`. Only records of this revision and these settings are used"
-        + (
-            f"; ignored {sum(ignored.values())} stored record(s) of other revisions "
-            f"({', '.join(ignored)})."
-            if ignored
-            else "."
-        )
-        + "  ",
-        f"Written {time.strftime('%Y-%m-%d %H:%M')}. {wall}",
-        "",
-    ]
+    L += header(cmd, rev, ignored, wall, jobs)
     L += [
         "Every optimizer of a task: same init, same data order and the same warmup + cosine "
         "schedule for each seed; the AdamW-like methods (Gefen, bitsandbytes, torchao, "
@@ -308,6 +294,27 @@ def markdown(
         "",
     ]
     return "\n".join(L)
+
+
+def header(cmd: str, rev: dict, ignored: dict, wall: str, jobs: int = 2) -> list[str]:
+    """Command, machine and revision lines: what a reader needs to reproduce a report or to see
+    that two reports are not comparable (the lr-sweep report shares them)."""
+    return [
+        f"Command: `{cmd}`  ",
+        f"Machine: {platform.machine()}, {_cores()} cores, torch {_torch()}, Python "
+        f"{platform.python_version()}, one torch thread per run, at most {jobs} runs at once.  ",
+        f"Code revision (last commit touching `gefen_dist/`): `{rev['code']}`, HEAD "
+        f"`{rev['head']}`. Only records of this revision and these settings are used"
+        + (
+            f"; ignored {sum(ignored.values())} stored record(s) of other revisions "
+            f"({', '.join(ignored)})."
+            if ignored
+            else "."
+        )
+        + "  ",
+        f"Written {time.strftime('%Y-%m-%d %H:%M')}. {wall}",
+        "",
+    ]
 
 
 def _goal_lines(g: dict) -> list[str]:
@@ -495,6 +502,7 @@ def write(
     ignored: dict,
     cmd: str,
     wall: str = "",
+    jobs: int = 2,
 ) -> Path:
     summary = summarize(rows, chosen, optimizers)
     g = goals(summary, chosen)
@@ -514,5 +522,5 @@ def write(
         )
     )
     path = out / "report.md"
-    path.write_text(markdown(summary, g, chosen, optimizers, rev, ignored, cmd, wall))
+    path.write_text(markdown(summary, g, chosen, optimizers, rev, ignored, cmd, wall, jobs))
     return path

@@ -2,7 +2,9 @@
 run finishes, so an interrupted comparison resumes where it stopped.
 
 Versions are never mixed silently. A record is reused only when its key matches: task,
-optimizer, seed, a hash of the settings (sizes, hyperparameters, lr scale) and the code
+optimizer, seed, a hash of the settings (sizes, hyperparameters, lr scale; for an lr-sweep run
+also its lr factor, which the key also spells out, so a sweep record can never be taken for
+a fixed-lr one nor the other way round) and the code
 revision, which is the last git commit that touched the package's code (``gefen_dist/``,
 results and docs excluded, so committing a report does not invalidate it), marked ``-dirty``
 with a hash of the uncommitted diff when the package has local changes. Records of other
@@ -55,8 +57,18 @@ def settings_hash(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def key(task: str, optimizer: str, seed: int, settings: dict[str, Any], rev: dict[str, str]) -> str:
-    return f"{task}|{optimizer}|{seed}|{settings_hash(settings)}|{rev['code']}"
+def key(
+    task: str,
+    optimizer: str,
+    seed: int,
+    settings: dict[str, Any],
+    rev: dict[str, str],
+    lr_factor: float | None = None,
+) -> str:
+    """``lr_factor`` marks an lr-sweep run; fixed-lr keys keep the format they always had, so
+    their stored records stay valid."""
+    lr = "" if lr_factor is None else f"lr*{lr_factor:g}|"
+    return f"{task}|{optimizer}|{lr}{seed}|{settings_hash(settings)}|{rev['code']}"
 
 
 def record(
