@@ -107,6 +107,20 @@ def test_half_point_is_the_evaluation_nearest_the_middle_of_every_task():
     assert sweep.half_point([dict(step=0), dict(step=100)], 100) is None
 
 
+def test_a_best_lr_won_by_a_lucky_sweep_seed_is_flagged():
+    sweep_pts = {"adamw": {1.0: _ok(0.10), 3.0: _ok(0.073), 10.0: _ok(0.037)}}
+    best = {"adamw": 10.0}
+    lucky = {"adamw": dict(val_loss=dict(mean=0.080, values=[0.037, 0.106, 0.097]))}
+    x = sweep.selection(sweep_pts, best, lucky)["adamw"]
+    assert x["runner_up"] == 3.0 and x["holds"] is False
+    text = "\n".join(sweep._selection_lines(dict(selection={"adamw": x}), 1))
+    assert "AdamW's best lr ×10 rests on a lucky sweep draw" in text
+    fine = {"adamw": dict(val_loss=dict(mean=0.066, values=[0.037, 0.105, 0.055]))}
+    x = sweep.selection(sweep_pts, best, fine)["adamw"]
+    assert x["holds"] is True
+    assert "every best lr holds" in sweep._selection_lines(dict(selection={"adamw": x}), 1)[0]
+
+
 def test_sweep_keys_never_collide_with_fixed_lr_keys():
     t = tasks.TASKS["gru"]
     rev = dict(code="r", head="h")

@@ -264,6 +264,7 @@ def analyse(
         res["at_adamw_best_half"] = _strip(
             report.summarize(halved(adamw_rows), [task], opts_adamw)[task.name]
         )
+    res["selection"] = selection(sweep, best, res["best_vs_best"])
     res["ranking"] = ranking(res)
     res["goals_at_adamw_best"] = [
         x
@@ -271,6 +272,24 @@ def analyse(
         if x["gefen"] in res["at_adamw_best"]
     ]
     return res
+
+
+def selection(sweep: dict, best: dict, at_best: dict) -> dict[str, dict]:
+    """Does each best lr hold on the paired seeds? Chosen on few sweep seeds, a lucky draw at
+    one lr can win (high lrs spread most); it is flagged when the paired-seed mean there is
+    worse than the runner-up factor's sweep value, so the choice rests on that draw alone."""
+    out = {}
+    for o, b in best.items():
+        c = at_best.get(o, {}).get(METRIC)
+        if b is None or not c:
+            continue
+        ranked = sorted((p["mean"], f) for f, p in sweep[o].items() if p["status"] == "ok")
+        x = dict(factor=b, sweep=sweep[o][b]["mean"], paired=c["mean"], n=len(c["values"]))
+        if len(ranked) > 1:
+            x.update(runner_up=ranked[1][1], runner_up_sweep=ranked[1][0])
+            x["holds"] = c["mean"] <= ranked[1][0]
+        out[o] = x
+    return out
 
 
 def _strip(cells: dict) -> dict:
@@ -721,6 +740,7 @@ def _task_lines(t: tasks.Task, a: dict, optimizers: list[str], settings: dict) -
         row += f" {c['bytes_per_param']:.3f} | {len(c['seeds'])} |"
         L.append(row)
     L += [""] + _ranking_lines(a, "best_vs_best", hs, h.steps) + [""]
+    L += _selection_lines(a, n_s) + [""]
     L += _at_adamw_lines(t, a, optimizers, n_c, hs, h.steps, cls)
     L += [
         "### (d) Highest lr that still trains",
@@ -742,6 +762,31 @@ def _task_lines(t: tasks.Task, a: dict, optimizers: list[str], settings: dict) -
             more = f"{_fx(nxt['factor'])}: {nxt['status']} ({nxt['reason'][:80]})"
         L.append(f"| {_label(o)} | {_lr(t, o, x['factor'])} | {100 * x['rel']:+.1f} % | {more} |")
     L.append("")
+    return L
+
+
+def _selection_lines(a: dict, n_s: int) -> list[str]:
+    sel = a.get("selection", {})
+    weak = [(o, x) for o, x in sel.items() if x.get("holds") is False]
+    if not weak:
+        checked = [o for o, x in sel.items() if "holds" in x]
+        return (
+            [
+                f"Best-lr check: every best lr holds on the paired seeds (their mean at the best "
+                f"lr is no worse than the runner-up lr on the {n_s} sweep seed(s))."
+            ]
+            if checked
+            else []
+        )
+    L = []
+    for o, x in weak:
+        L.append(
+            f"**Best-lr check: {peers.PEERS[o].label}'s best lr {_fx(x['factor'])} rests on a "
+            f"lucky sweep draw: {x['sweep']:.4f} there on {n_s} sweep seed(s), {x['paired']:.4f} "
+            f"over {x['n']} paired seeds, worse than {_fx(x['runner_up'])}'s "
+            f"{x['runner_up_sweep']:.4f} on the sweep seed(s); more --sweep-seeds would "
+            "settle it.**"
+        )
     return L
 
 
