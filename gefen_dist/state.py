@@ -18,28 +18,23 @@ the concatenation of its segments' pieces in segment order:
 - ``step``    fp32 scalar, as AdamW
 
 None of these has the parameter's shape or size (but for a parameter that is all B = 1), and all
-are plain tensors, so a state dict loads with ``torch.load(..., weights_only=True)``.
+are plain tensors, so a state dict loads with ``torch.load(..., weights_only=True)``. What a
+loaded state may hold beyond this structure, and why: ``load_check``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
+from . import load_check
 from .codes import code_bytes
+from .partition import MAX_BLOCK
 from .reference import SegmentState, cross_length
 from .segments import Segment, num_blocks
 
-STATE_KEYS = (
-    "step",
-    "layout",
-    "codebook",
-    "codes",
-    "absmax",
-    "v",
-    "v_cross",
-    "exp_avg",
-    "exp_avg_sq",
-)
+STATE_KEYS = load_check.KEYS
 GROWING_KEYS = ("codes", "absmax", "v", "v_cross", "exp_avg", "exp_avg_sq")
 LAYOUT_COLS = 5
 DENSE_DTYPE = torch.bfloat16
@@ -127,20 +122,24 @@ def upgrade(state: dict, segments: list[Segment]) -> dict:
     """A state saved by an earlier version, in today's format. Before ``v_cross`` existed (a
     4-column layout): given its column of v_cross entries and zeros for them; the factor is a
     ratio, so it is exact again after one step (``reference``). Before B = 1 state was bf16:
-    fp32 ``exp_avg``/``exp_avg_sq`` rounded to the nearest bf16 once. Anything that does not
-    fit is left for ``check_loaded`` to name."""
-    state = {
-        **state,
-        **{
-            k: state[k].to(DENSE_DTYPE)
-            for k in ("exp_avg", "exp_avg_sq")
-            if isinstance(state.get(k), torch.Tensor) and state[k].dtype == torch.float32
-        },
-    }
-    layout = state.get("layout")
-    if "v_cross" in state or not isinstance(layout, torch.Tensor) or "v" not in state:
+    fp32 ``exp_avg``/``exp_avg_sq`` rounded to the nearest bf16 once. A tensor saved as a
+    strided view (torch.save keeps strides) is copied contiguous: the kernels read state as flat
+    memory. Anything that does not fit is left for ``check_loaded`` to name, and nothing is
+    written into the tensors given (a refused load leaves them as they were)."""
+    if not isinstance(state, Mapping):
         return state
-    if layout.dim() != 2 or layout.shape[1] != 4 or layout.shape[0] != len(segments):
+    state = {
+        k: v.contiguous() if _dense(v) and not v.is_contiguous() else v for k, v in state.items()
+    }
+    for k in ("exp_avg", "exp_avg_sq"):
+        if _dense(state.get(k)) and state[k].dtype == torch.float32:
+            state[k] = state[k].to(DENSE_DTYPE)
+    layout, v = state.get("layout"), state.get("v")
+    if "v_cross" in state or not _dense(layout) or not _dense(v):
+        return state
+    if layout.dtype != torch.int64 or layout.dim() != 2 or layout.shape[1] != 4:
+        return state
+    if layout.shape[0] != len(segments):
         return state
     entries = [_cross_entries(s, int(r[3])) for s, r in zip(segments, layout.tolist(), strict=True)]
     return {
@@ -149,55 +148,55 @@ def upgrade(state: dict, segments: list[Segment]) -> dict:
             [layout, torch.tensor(entries, dtype=layout.dtype, device=layout.device)[:, None]],
             dim=1,
         ),
-        "v_cross": torch.zeros(sum(entries), dtype=torch.float32, device=state["v"].device),
+        "v_cross": torch.zeros(sum(entries), dtype=torch.float32, device=v.device),
     }
 
 
+def _dense(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
+
+
 def check_loaded(state: dict, segments: list[Segment], bits: int, name: str) -> None:
-    """Raise ValueError naming the parameter when a saved state does not fit it."""
-    missing = [k for k in STATE_KEYS if k not in state]
-    if missing:
-        raise ValueError(f"Gefen state for {name} lacks {missing}: not a Gefen state dict?")
+    """Raise ValueError (TypeError for a value that is not a tensor) naming the parameter and
+    the key when a saved state does not fit the parameter or holds what no run writes
+    (``load_check``): the load pre-hook calls this for every parameter before installing any."""
+    load_check.check_entry(state, name)
+    load_check.check_step(state["step"], name)
+    where = f"Gefen state of {name}"
     layout = state["layout"]
-    if layout.dtype != torch.int64 or layout.dim() != 2 or layout.shape[1] != LAYOUT_COLS:
-        raise ValueError(f"Gefen state for {name}: layout must be int64 (segments, {LAYOUT_COLS})")
+    if layout.dim() != 2 or layout.shape[1] != LAYOUT_COLS:
+        raise ValueError(
+            f"{where}: 'layout' is {tuple(layout.shape)}, expected (segments, {LAYOUT_COLS})"
+        )
     saved = [tuple(r[:3]) for r in layout.tolist()]
     here = [(s.offset, s.numel, s.start) for s in segments]
     if saved != here:
         raise ValueError(
-            f"Gefen state for {name} was saved for segments (offset, numel, start) {saved}, "
+            f"{where}: its 'layout' was saved for segments (offset, numel, start) {saved}, "
             f"but the parameter here has {here}: a different model or sharding"
         )
-    saved_bits = bits_of(state["codebook"])
-    if saved_bits != bits:
-        raise ValueError(
-            f"Gefen state for {name} holds a {state['codebook'].numel()}-level codebook "
-            f"but its param group asks for bits={bits}"
-        )
-    levels = state["codebook"].detach().float().cpu()
-    if not bool(torch.isfinite(levels).all()) or not bool((levels[1:] > levels[:-1]).all()):
-        raise ValueError(
-            f"Gefen state for {name}: its codebook must hold finite, strictly increasing "
-            "levels (every kernel rounds by searching them in order)"
-        )
+    load_check.check_codebook(state["codebook"], bits, name)
     blocks = [int(r[3]) for r in layout.tolist()]
     for seg, bs in zip(segments, blocks, strict=True):
         row = seg.tensor_numel // seg.shape[0] if len(seg.shape) > 1 and seg.shape[0] else 0
-        if bs == 0 or (bs < 0 and -bs != row):
+        if not (1 <= bs <= MAX_BLOCK or (bs < 0 and -bs == row)):
+            columns = f", or -{row} for its columns" if row else ""
             raise ValueError(
-                f"Gefen state for {name}: block size {bs} for a tensor of shape {seg.shape} "
-                f"(must be >= 1, or -{row} for its columns)"
+                f"{where}: its 'layout' gives block size {bs} for a tensor of shape "
+                f"{seg.shape} (must be 1 to {MAX_BLOCK}{columns})"
             )
-    ref = allocate(segments, blocks, state["codebook"], torch.device("meta"))
+    ref = allocate(segments, blocks, state["codebook"].float(), torch.device("meta"))
     if layout[:, 4].tolist() != ref["layout"][:, 4].tolist():
         raise ValueError(
-            f"Gefen state for {name}: v_cross entries per segment {layout[:, 4].tolist()}, "
+            f"{where}: its 'layout' gives v_cross entries per segment {layout[:, 4].tolist()}, "
             f"expected {ref['layout'][:, 4].tolist()} for these tensors and block sizes"
         )
     for k in GROWING_KEYS:
         t = state[k]
-        if t.dtype != ref[k].dtype or t.shape != ref[k].shape:
+        if t.shape != ref[k].shape:
             raise ValueError(
-                f"Gefen state for {name}: {k!r} is {t.dtype} {tuple(t.shape)}, "
-                f"expected {ref[k].dtype} {tuple(ref[k].shape)}"
+                f"{where}: {k!r} is {t.dtype} {tuple(t.shape)}, expected {ref[k].dtype} "
+                f"{tuple(ref[k].shape)} for the segments and block sizes of its 'layout'"
             )
+    load_check.check_distinct(state, name)
+    load_check.check_values(state, name)
