@@ -1037,7 +1037,7 @@ void dense_range(void* p, const void* g, uint16_t* m, uint16_t* v, int64_t lo, i
     dense_tile<PT, GT, false>(pt, gt, m + lo, v + lo, hi - lo, h, start + lo, key);
 }
 
-// The segment table's columns, as csrc/gefen_cuda.h (one table format for both backends).
+// The segment table's columns, as gefen_dist/segment_table.py builds them (one row per segment).
 enum Meta : int {
   kP = 0, kG, kCodes, kAbsmax, kV, kLevels, kMids, kStart, kNumel, kBlock, kBits, kPDtype,
   kGDtype, kExpAvg, kExpAvgSq, kNLevels, kStepKey, kFactor, kVCross, kMetaCols

@@ -1,4 +1,4 @@
-"""What a step's kept tables check and rewrite from one step to the next, on any backend.
+"""What a step's kept tables check and rewrite from one step to the next.
 
 Why: on a model of small tensors (the demo GPT: 3M parameters in 52 tensors) the Python that
 gathers each tensor's segments and builds a step's tables cost a quarter of the step on the CPU,
@@ -6,7 +6,7 @@ and on a GPU such Python is the whole step for a model of a few hundred million 
 Between two steps of a training loop nothing in those tables changes but the gradients'
 addresses (``zero_grad(set_to_none=True)`` frees them), the parameters' if something swapped
 their storage, the step counts and the hyperparameters. So after a step that ran entirely on
-one native backend the optimizer keeps its tables (``cpu_plan.CpuPlan``, ``cuda_plan.CudaPlan``);
+the C++ backend the optimizer keeps its tables (``cpu_plan.CpuPlan``);
 at the next, ``gather`` checks that the same parameters, in the same order and groups, have
 gradients, with the same state, dtypes and sizes, on the plan's device and contiguous, and
 ``per_parameter`` counts the steps and gives each parameter its rows; the backend's plan then

@@ -4,7 +4,7 @@ At the first step at which a parameter has a gradient, its block size is chosen 
 (``partition``); at the first step of all, the codebook of m is learned once from a histogram of
 block-normalised g0 (``codebook``). Later steps run the update ``reference`` spells out over the
 parameter's segments (``segments``, ``state``), through the native kernels where they serve
-(``native_cpu``, ``native_cuda``; see ``Gefen.backend``). The optimizer never needs names, shapes
+(``native_cpu``, ``triton_backend``; see ``Gefen.backend``). The optimizer never needs names, shapes
 beyond the tensors' own, or any setting AdamW does not have, other than ``bits``.
 
 Distributed integrations hand the optimizer each buffer's segments (``set_segments``) and replace
@@ -28,10 +28,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from . import codebook as cb
-from . import native_cpu, native_cuda, partition, sharding, state
+from . import dispatch, native_cpu, partition, sharding, state, triton_backend
 from .codes import midpoints
 from .cpu_plan import CpuPlan
-from .cuda_plan import CudaPlan
 from .reference import (
     CHUNK,
     Hyper,
@@ -49,7 +48,7 @@ try:
 except ImportError:  # numba missing or broken: the C++ kernel or the reference serves
     cpu_kernel = None
 
-BACKENDS = ("auto", "native", "numba", "reference")
+BACKENDS = dispatch.BACKENDS
 
 DEFAULT_BITS = 4
 """Measured on the demo GPT (4 layers, d=256, stdlib source), 1000 steps, 3 paired seeds vs
@@ -102,7 +101,7 @@ class Gefen(Optimizer):
         self._codebook_copies: dict[tuple[int, str], torch.Tensor] = {}
         self._pending_install: list[tuple[torch.Tensor, dict]] = []
         self._cross_slots: dict[str, tuple[int, int]] | None = None
-        self._plan: CpuPlan | CudaPlan | None = None  # the last step's native tables, for the next
+        self._plan: CpuPlan | None = None  # the last step's C++ tables, for the next
         self._adopted: list[list[torch.Tensor]] = []  # the groups' params _adopt_sharded saw
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(Gefen._stash_state)
@@ -310,7 +309,7 @@ class Gefen(Optimizer):
         # under a process group with some state missing: after the collective, as before
         if not quiet and self._plan is not None and self._plan.run(self):
             return loss
-        cuda_work: list[tuple] = []  # one call / three launches for all native segments
+        gpu_work: list[tuple] = []  # a few Triton launches for all of a device's segments
         cpu_work: list[tuple] = []
         steps = [
             self.state[p]["step"]
@@ -326,15 +325,13 @@ class Gefen(Optimizer):
             if steps:
                 torch._foreach_sub_(steps, 1)
             raise
-        factors, v_done, cross, on_cpu, gpu = self._cross_factors(items)
+        factors, v_done, cross, on_cpu = self._cross_factors(items)
         cpu_items: list[int] = []
-        cuda_items: list[int] = []
         for i, ((impl, ps, gs, seg, h, levels, mids, bits, _), f) in enumerate(
             zip(items, factors, strict=True)
         ):
-            if impl == "cuda":
-                cuda_work.append((ps, gs, seg, h, levels, mids, bits, f))
-                cuda_items.append(i)
+            if impl == "triton":
+                gpu_work.append((ps, gs, seg, h, levels, mids, bits, f))
             elif impl == "cpu":
                 cpu_work.append((ps, gs, seg, h, levels, mids, bits, f, i in v_done))
                 cpu_items.append(i)
@@ -348,16 +345,11 @@ class Gefen(Optimizer):
             else:
                 block_update(ps, gs, seg, h, levels, mids, bits, f)
         cpu_table = native_cpu.step(cpu_work)
-        ran = {}
-        for device in {w[0].device for w in cuda_work}:
-            ran[device] = native_cuda.step([w for w in cuda_work if w[0].device == device])
+        for device in {w[0].device for w in gpu_work}:
+            triton_backend.step([w for w in gpu_work if w[0].device == device])
         self._plan = None
         if CpuPlan.eligible(self, items):
             self._plan = CpuPlan(self, origins, cpu_table, cross, on_cpu, cpu_items)
-        elif len(ran) == 1 and CudaPlan.eligible(self, items):
-            ((device, step_plan),) = ran.items()
-            cross_plan, on = gpu.get(device, (native_cuda.cross_table([]), []))
-            self._plan = CudaPlan(self, origins, device, step_plan, cross_plan, on, cuda_items)
         return loss
 
     def _items(self) -> tuple[list[tuple], list[tuple]]:
@@ -412,10 +404,11 @@ class Gefen(Optimizer):
 
     @property
     def backend(self) -> str:
-        """Which update runs: 'auto' (the native kernels: C++ on CPU tensors, CUDA on GPU ones;
-        numba on CPU where no C++ compiler is found; the reference where nothing native serves),
-        'native', 'numba' or 'reference' (the readable spec). ``memory_report()['backend']``
-        says what actually ran. Settable, e.g. ``opt.backend = "reference"``."""
+        """Which update runs: 'auto' (the native kernels: C++ on CPU tensors, Triton on CUDA
+        ones; numba on CPU where no C++ compiler is found; the reference where nothing native
+        serves), 'native', 'triton', 'numba' or 'reference' (the readable spec); ``dispatch``
+        has the rule. ``memory_report()['backend']`` says what actually ran. Settable, e.g.
+        ``opt.backend = "reference"``."""
         return self._backend
 
     @backend.setter
@@ -425,32 +418,37 @@ class Gefen(Optimizer):
         if name == "numba" and cpu_kernel is None:
             raise ValueError("backend='numba' needs numba, which failed to import")
         self._backend = name
+        self._plan = None
 
     def _impl(self, p: torch.Tensor, g: torch.Tensor) -> str:
-        """'cpu' (C++), 'cuda', 'numba' or 'reference' for a parameter and its gradient."""
-        b = self._backend
+        """'cpu' (C++), 'triton', 'numba' or 'reference' for a parameter and its gradient;
+        only the kernels that could serve this device are loaded (a GPU run builds no C++)."""
+        b, dev = self._backend, p.device.type
         if b == "reference":
             return "reference"
-        if p.device.type == "cuda" and b in ("auto", "native") and native_cuda.supports(p, g):
-            if native_cuda.available(p.device):
-                return "cuda"
-            self._unavailable("CUDA", native_cuda.build_error())
-        if p.device.type == "cpu" and b in ("auto", "native") and native_cpu.supports(p, g):
-            if native_cpu.available():
-                return "cpu"
-            self._unavailable("C++ CPU", native_cpu.build_error())
-        if b in ("auto", "numba") and cpu_kernel is not None and cpu_kernel.supports(p, g):
-            return "numba"
-        if b in ("native", "numba"):
-            raise RuntimeError(
-                f"backend={b!r} cannot update {self._name(p)} ({p.device.type}, {p.dtype}, "
-                f"grad {g.dtype})"
-            )
-        return "reference"
+        cpp = dev == "cpu" and b in ("auto", "native") and native_cpu.supports(p, g)
+        cpp_ok = cpp and native_cpu.available()
+        tri = triton_backend.supports(p, g) and (b == "triton" or dev == "cuda")
+        tri_ok = tri and triton_backend.available(p.device)
+        facts = dispatch.Facts(
+            device=dev,
+            cpp_supports=cpp,
+            cpp_available=cpp_ok,
+            cpp_why=native_cpu.build_error() if cpp and not cpp_ok else None,
+            triton_supports=tri,
+            triton_available=tri_ok,
+            triton_why=triton_backend.build_error(p.device) if tri and not tri_ok else None,
+            numba_supports=cpu_kernel is not None and cpu_kernel.supports(p, g),
+        )
+        try:
+            choice = dispatch.choose(b, facts)
+        except RuntimeError as e:
+            raise RuntimeError(f"{self._name(p)} ({dev}, {p.dtype}, grad {g.dtype}): {e}") from None
+        if choice.unavailable is not None:
+            self._unavailable(*choice.unavailable)
+        return choice.impl
 
     def _unavailable(self, what: str, why: str | None) -> None:
-        if self._backend == "native":
-            raise RuntimeError(f"backend='native': the {what} kernels are unavailable: {why}")
         if what not in self._warned:
             self._warned.add(what)
             warnings.warn(
@@ -473,7 +471,7 @@ class Gefen(Optimizer):
 
     def _cross_factors(
         self, items: list[tuple]
-    ) -> tuple[list[torch.Tensor | None], set[int], native_cpu.CrossTable, list[int], dict]:
+    ) -> tuple[list[torch.Tensor | None], set[int], native_cpu.CrossTable, list[int]]:
         """This step's ``reference.cross_factor`` per segment (None where it has none, or where
         the C++ step takes it itself): from the segment's own g where it holds its whole tensor;
         from the sums over every rank's piece where the tensor is spread, all such tensors in one
@@ -481,8 +479,7 @@ class Gefen(Optimizer):
         table, zeros for tensors it does not step in this call: ZeRO steps one group at a time,
         all ranks the same group. Also the items whose block v the C++ pass over g has already
         stepped (contiguous blocks), that pass's table and the items behind its rows (for
-        ``CpuPlan``); per GPU, the factor pass's plan and the items behind its rows (for
-        ``CudaPlan``)."""
+        ``CpuPlan``)."""
         out: list[torch.Tensor | None] = [None] * len(items)
         v_done: set[int] = set()
         slots = self._cross_table()
@@ -510,22 +507,21 @@ class Gefen(Optimizer):
             [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on_cpu]
         )
         cpu_sums = dict(zip(on_cpu, cross.results, strict=True))
-        # the same on each GPU: four launches (native_cuda.cross_table); a spread tensor's only
-        # piece here writes its sums straight into its slot of the all-reduce's buffer
-        cuda_sums, gpu, direct = {}, {}, set()
+        # the same on each GPU (triton_backend.cross_table); a spread tensor's only piece here
+        # writes its sums straight into its slot of the all-reduce's buffer
+        gpu_sums, direct = {}, set()
         pieces = Counter(items[i][8] for i in factored)
-        for device in {items[i][2].device for i in factored if items[i][0] == "cuda"}:
-            on = [i for i in factored if items[i][0] == "cuda" and items[i][2].device == device]
+        for device in {items[i][2].device for i in factored if items[i][0] == "triton"}:
+            on = [i for i in factored if items[i][0] == "triton" and items[i][2].device == device]
             work = [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on]
-            dest: list[native_cuda.Dest] = [None] * len(on)
+            dest: list = [None] * len(on)
             for k, i in enumerate(on):
                 name = items[i][8]
                 if name is not None and buf.device == device and pieces[name] == 1:
                     at, n = slots[name]
                     dest[k] = (buf[at : at + n], buf[total + at : total + at + n])
                     direct.add(i)
-            gpu[device] = (native_cuda.cross_table(work, dest), on)
-            cuda_sums.update(zip(on, gpu[device][0].views, strict=True))
+            gpu_sums.update(zip(on, triton_backend.cross_table(work, dest).views, strict=True))
         spread = []
         for i in factored:
             impl, _, g, seg, h, _, _, _, name = items[i]
@@ -539,8 +535,8 @@ class Gefen(Optimizer):
                 if name is None:
                     out[i] = f
                     continue
-            elif impl == "cuda":
-                sums, counts, f = cuda_sums[i]
+            elif impl == "triton":
+                sums, counts, f = gpu_sums[i]
                 if name is None:
                     out[i] = f
                     continue
@@ -563,15 +559,15 @@ class Gefen(Optimizer):
                     x.to(seg.v_cross.device)
                     for x in (buf[at : at + n], buf[total + at : total + at + n])
                 )
-                if impl == "cuda":
+                if impl == "triton":
                     on_gpu.setdefault(seg.v_cross.device, []).append((i, seg, h, sums, counts))
                 else:
                     out[i] = _factor(impl, seg, h, sums, counts)
             for work in on_gpu.values():
-                made = native_cuda.factors([w[1:] for w in work])
+                made = triton_backend.factors([w[1:] for w in work])
                 for (i, *_), f in zip(work, made, strict=True):
                     out[i] = f
-        return out, v_done, cross, on_cpu, gpu
+        return out, v_done, cross, on_cpu
 
     def _cross_table(self) -> dict[str, tuple[int, int]]:
         """Where each tensor spread over ranks puts its v_cross sums in the per-step all-reduce:
@@ -764,18 +760,12 @@ class Gefen(Optimizer):
         )
 
     def _backend_in_use(self) -> str:
-        names = {
-            "cpu": "native-cpu",
-            "cuda": "native-cuda",
-            "numba": "numba",
-            "reference": "reference",
-        }
         used = set()
         for p, st in self.state.items():
             if st:
                 local = sharding.local(p)
                 g = sharding.local(p.grad) if p.grad is not None else local
-                used.add(names[self._impl(local, g)])
+                used.add(dispatch.REPORT_NAMES[self._impl(local, g)])
         return "+".join(sorted(used)) or self._backend
 
     def _segments_for(self, p: torch.Tensor) -> list[Segment]:
@@ -922,14 +912,6 @@ def _histogram(
         return
     if block_size < 0:
         _column_histogram(g, seg.start, -block_size, counts, cut.get(-1))
-        return
-    if g.is_cuda and g.dtype in native_cuda.DTYPES and native_cuda.available(g.device):
-        head, tail = seg.start // block_size, (seg.start + seg.numel - 1) // block_size
-        dev = torch.zeros(counts.numel(), dtype=torch.int64, device=g.device)
-        native_cuda.histogram(
-            g.contiguous(), seg.start, block_size, cut.get(head, -1.0), cut.get(tail, -1.0), dev
-        )
-        counts += dev.cpu().to(torch.float64)
         return
     for c in block_chunks(seg.start, seg.numel, block_size, CHUNK):
         x = g[c.elem : c.end].float().view(c.rows, c.length)

@@ -1,4 +1,4 @@
-"""The segment table both native backends take: one row per segment, rebuilt every step.
+"""The segment table the native backends take: one row per segment, rebuilt every step.
 
 Why a table and not a call per segment: a step touches hundreds of tensors, and FSDP/ZeRO hand
 each rank pieces of many tensors in one flat buffer. One row per segment (addresses, offsets,
@@ -6,7 +6,7 @@ block size, dtypes, this step's hyperparameters) lets one call on the CPU, or a 
 a GPU, cover every segment, and an lr schedule changes only numbers in rows. Rebuilt each step
 because gradients may be new tensors (``zero_grad(set_to_none=True)``); a few hundred rows.
 
-Columns are those of ``csrc/gefen_cuda.h`` (``Meta``, ``Hyp``); the CPU kernel uses the same.
+Columns are those of ``csrc/gefen_cpu.cpp``'s ``Meta`` and of ``hyper_row``.
 """
 
 from __future__ import annotations
