@@ -1,6 +1,7 @@
 """Gefen for distributed PyTorch: an AdamW drop-in with ~1 byte of optimizer state per parameter."""
 
-from .optimizer import Gefen, format_memory_report
+from .memory_report import format_memory_report
+from .optimizer import Gefen
 from .register import register, register_loaded
 from .segments import Segment
 

@@ -56,8 +56,9 @@ from deepspeed.runtime.zero import utils as zero_utils
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from .optimizer import Gefen, is_real
+from .optimizer import Gefen
 from .segments import Segment
+from .validation import is_real
 
 __all__ = ["configure", "memory_report", "block_sizes", "from_config", "META_KEY", "OPTIMIZER_TYPE"]
 

@@ -380,7 +380,13 @@ def _decode(
     blob, step = entry[key], entry.get("step")
     if not isinstance(blob, bytes):
         raise ValueError(f"Gefen state for {name}: expected bytes, got {type(blob).__name__}")
-    payload = torch.load(io.BytesIO(blob), weights_only=True)
+    try:
+        payload = torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception as e:  # a truncated or damaged entry: name it, not torch's reader
+        raise ValueError(
+            f"Gefen state for {name}: entry {key!r} is not a readable state "
+            f"({type(e).__name__}: {e})"
+        ) from None
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
         raise ValueError(f"Gefen state for {name} is not a {_FORMAT} entry")
     if payload["world_size"] != world or payload["rank"] != rank:

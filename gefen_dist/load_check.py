@@ -271,7 +271,7 @@ def check_gradients(optimizer: Any) -> None:
     of a CPU step (module docstring). One fused norm per device, then ``isfinite`` only on the
     gradients whose norm is not finite: a norm also overflows for finite |g| of 2**64 /
     sqrt(numel), which are not refused."""
-    from .optimizer import comm_device  # not at the top: optimizer imports state, state this
+    from .collectives import comm_device
 
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     grads = [_local(p.grad) for p in params]

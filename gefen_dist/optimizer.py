@@ -14,25 +14,29 @@ and learns the same codebook.
 
 from __future__ import annotations
 
-import importlib
-import math
-import numbers
-import sys
 import warnings
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from . import codebook as cb
-from . import dispatch, native_cpu, partition, sharding, state, triton_backend
+from . import (
+    collectives,
+    dispatch,
+    first_step,
+    memory_report,
+    native_cpu,
+    sharding,
+    state,
+    triton_backend,
+    validation,
+)
 from .codes import midpoints
 from .cpu_plan import CpuPlan
 from .reference import (
-    CHUNK,
     Hyper,
     block_update,
     column_update,
@@ -41,7 +45,7 @@ from .reference import (
     cross_sums,
     dense_update,
 )
-from .segments import Segment, block_chunks, block_runs, column_chunks
+from .segments import Segment
 
 try:
     from . import cpu_kernel
@@ -49,6 +53,15 @@ except ImportError:  # numba missing or broken: the C++ kernel or the reference 
     cpu_kernel = None
 
 BACKENDS = dispatch.BACKENDS
+
+ON_CONSTRUCT: list[Callable[[Gefen], None]] = []
+"""Called with every Gefen at the end of its construction. Why hooks: the optimizer must not
+import the framework integrations (they import it), yet DeepSpeed's must bind a Gefen built
+while DeepSpeed is loaded; ``integrations`` (``register.py``) adds that hook."""
+
+ON_SHARDED: list[Callable[[Gefen], None]] = []
+"""Called once when a Gefen first finds DTensor (FSDP2) parameters on a process group: the FSDP
+integration keys their state per rank for DCP (``register.py`` adds it)."""
 
 DEFAULT_BITS = 4
 """Measured on the demo GPT (4 layers, d=256, stdlib source), 1000 steps, 3 paired seeds vs
@@ -107,13 +120,11 @@ class Gefen(Optimizer):
         self.register_load_state_dict_pre_hook(Gefen._stash_state)
         self.register_load_state_dict_post_hook(Gefen._install_state)
         self._adopt_sharded()
-        if "deepspeed" in sys.modules:
-            # deepspeed.initialize must map ZeRO partitions to segments; without the
-            # integration each flat partition would be blocked as one 1-D tensor
-            importlib.import_module("gefen_dist.deepspeed")
+        for hook in ON_CONSTRUCT:
+            hook(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        _check_hyper({**self.defaults, **param_group})
+        validation.check_hyper({**self.defaults, **param_group})
         super().add_param_group(param_group)
         self._initialized = False
         self._plan = None
@@ -181,7 +192,8 @@ class Gefen(Optimizer):
                 self._use_group(group, p)
                 sharded = sharded or group is not None
         if sharded and getattr(self, "_gefen_fsdp", None) is None:
-            importlib.import_module("gefen_dist.fsdp").configure(None, self)
+            for hook in ON_SHARDED:
+                hook(self)
         self._adopted = lists
 
     def state_dict(self) -> dict[str, Any]:
@@ -201,80 +213,6 @@ class Gefen(Optimizer):
                 "parameters; one Gefen optimizer spans one process group"
             )
         self._group = group
-
-    def _reduce_stats(
-        self, pieces: dict[Hashable, list[partition.TensorStats]]
-    ) -> dict[Hashable, partition.TensorStats]:
-        """Named pieces come from tensors spread over ranks: gather them all, merge by name."""
-        if self._group is not None:
-            named = {k: v for k, v in pieces.items() if isinstance(k, str)}
-            every: list[dict] = [{} for _ in range(dist.get_world_size(self._group))]
-            dist.all_gather_object(every, named, group=self._group)
-            pieces = {k: v for k, v in pieces.items() if not isinstance(k, str)}
-            for other in every:
-                for k, v in other.items():
-                    if k in named:
-                        pieces.setdefault(k, []).extend(v)
-        return {k: partition.merge_stats(v) for k, v in pieces.items()}
-
-    def _reduce_histogram(self, counts: torch.Tensor) -> torch.Tensor:
-        """Every rank learns the codebook from the sum of all ranks' histograms."""
-        if self._group is not None:
-            on = counts.to(self._comm_device())
-            dist.all_reduce(on, group=self._group)
-            counts = on.to(counts.device)
-        return counts
-
-    def _comm_device(self) -> torch.device:
-        return comm_device(self._group)
-
-    def _cut_block_absmax(self, plan, block_of) -> dict[Hashable, dict[int, float]]:
-        """Whole-block absmax of g0 for blocks cut by a shard boundary (and of every column of a
-        column-blocked tensor spread over ranks), so that every rank
-        normalises its piece of such a block as one process would and the summed histogram
-        (hence the codebook) is the single-process one."""
-        if self._group is None:
-            return {}
-        local: dict[Hashable, dict[int, float]] = {}
-        for p, _, segs, keys in plan:
-            flat_g = _flat(sharding.local(p.grad), p, self)
-            for seg, key in zip(segs, keys, strict=True):
-                bs = block_of[key]
-                if not isinstance(key, str) or bs == 1:
-                    continue
-                if bs < 0:
-                    piece = flat_g[seg.offset : seg.offset + seg.numel]
-                    cols = torch.zeros(-bs, device="cpu")
-                    k = (seg.start + torch.arange(min(seg.numel, -bs), device="cpu")) % -bs
-                    cols[k] = _column_absmax(piece, -bs).cpu()
-                    prev = local.setdefault(key, {}).get(-1)
-                    local[key][-1] = cols if prev is None else torch.maximum(prev, cols)
-                    continue
-                for run in block_runs(seg.start, seg.numel, bs):
-                    if run.length < bs:
-                        a = seg.offset + run.elem
-                        amax = float(flat_g[a : a + run.length].abs().max())
-                        local.setdefault(key, {})[(seg.start + run.elem) // bs] = amax
-        every: list[dict] = [{} for _ in range(dist.get_world_size(self._group))]
-        dist.all_gather_object(every, local, group=self._group)
-        out: dict[Hashable, dict[int, float]] = {}
-        for other in every:
-            for key, blocks in other.items():
-                if key in local:
-                    for b, amax in blocks.items():
-                        had = out.setdefault(key, {}).get(b)
-                        if had is not None:  # b = -1: every column's absmax, as a tensor
-                            amax = torch.maximum(had, amax) if b == -1 else max(had, amax)
-                        out[key][b] = amax
-        return out
-
-    def _any_rank_pending(self, pending: bool) -> bool:
-        """Partitioning is collective when parameters are sharded: all ranks enter it together."""
-        if self._group is None:
-            return pending
-        flag = torch.tensor([int(pending)], device=self._comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
 
     # -- step --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -301,7 +239,7 @@ class Gefen(Optimizer):
                     raise TypeError(f"Gefen does not support sparse gradients ({self._name(p)})")
                 if not self.state.get(p):
                     pending.append((p, group))
-        if (pending or not self._initialized) and self._any_rank_pending(bool(pending)):
+        if (pending or not self._initialized) and collectives.any_rank(self._group, bool(pending)):
             self._initialize(pending)
         # wrappers (ZeRO) may show one param group per call: registered buffers count too
         known = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -369,8 +307,8 @@ class Gefen(Optimizer):
                 h = hypers.get(t)
                 if h is None:
                     h = hypers[t] = Hyper.of(group, t)
-                lp = _contiguous(sharding.local(p), p, self)
-                lg = _contiguous(sharding.local(p.grad), p, self)
+                lp = first_step.contiguous(sharding.local(p), p, self)
+                lg = first_step.contiguous(sharding.local(p.grad), p, self)
                 if st["codes"].device != lp.device:
                     raise RuntimeError(
                         f"the state of {self._name(p)} is on {st['codes'].device}, the parameter "
@@ -486,7 +424,9 @@ class Gefen(Optimizer):
         total = sum(n for _, n in slots.values())
         buf = None
         if total:
-            buf = torch.zeros(2 * total, dtype=torch.float64, device=self._comm_device())
+            buf = torch.zeros(
+                2 * total, dtype=torch.float64, device=collectives.comm_device(self._group)
+            )
         factored = []
         for i, (_, _, _, seg, _, _, _, _, name) in enumerate(items):
             if seg.v_cross is None or seg.v_cross.numel() == 0:
@@ -570,9 +510,8 @@ class Gefen(Optimizer):
         return out, v_done, cross, on_cpu
 
     def _cross_table(self) -> dict[str, tuple[int, int]]:
-        """Where each tensor spread over ranks puts its v_cross sums in the per-step all-reduce:
-        name -> (offset, entries), the same on every rank (agreed once, by an all-gather, after
-        each initialisation or load)."""
+        """Where each tensor spread over ranks puts its v_cross sums in the per-step all-reduce
+        (``collectives.agree_cross_slots``), agreed once after each initialisation or load."""
         if self._group is None:
             return {}
         if self._cross_slots is None:
@@ -583,20 +522,7 @@ class Gefen(Optimizer):
                 for seg, row in zip(self._segments_for(p), st["layout"].tolist(), strict=True):
                     if self._spread_name(seg) and row[4]:
                         local[seg.name] = row[4]
-            every: list[dict] = [{} for _ in range(dist.get_world_size(self._group))]
-            dist.all_gather_object(every, local, group=self._group)
-            merged: dict[str, int] = {}
-            for other in every:
-                for name, n in other.items():
-                    if merged.setdefault(name, n) != n:
-                        raise RuntimeError(
-                            f"ranks disagree on the v_cross entries of {name!r} "
-                            f"({merged[name]} and {n}): different block sizes on different ranks"
-                        )
-            self._cross_slots, at = {}, 0
-            for name in sorted(merged):
-                self._cross_slots[name] = (at, merged[name])
-                at += merged[name]
+            self._cross_slots = collectives.agree_cross_slots(self._group, local)
         return self._cross_slots
 
     def _shared_codebook(self, levels: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -613,58 +539,7 @@ class Gefen(Optimizer):
         return levels
 
     def _initialize(self, pending: list[tuple[torch.Tensor, dict]]) -> None:
-        """Partition newly seen parameters; learn the codebooks if this is the first time."""
-        pieces: dict[Hashable, list[partition.TensorStats]] = {}
-        seg_of: dict[Hashable, Segment] = {}
-        plan = []
-        for p, group in pending:
-            segs = self._segments_for(p)
-            flat_g = _flat(sharding.local(p.grad), p, self)
-            keys = []
-            for i, seg in enumerate(segs):
-                key = seg.name or (id(p), i)
-                st = partition.segment_stats(
-                    flat_g[seg.offset : seg.offset + seg.numel],
-                    seg.start,
-                    partition.candidate_block_sizes(seg.shape),
-                    partition.column_period(seg.shape),
-                )
-                if not (math.isfinite(st.s1) and math.isfinite(st.s2)):
-                    raise ValueError(
-                        f"non-finite gradient in {seg.name or self._name(p)} at its first step: "
-                        "Gefen learns its block partition and codebook from it and will not "
-                        "learn them from inf/NaN (check the loss, or the AMP grad scaler)"
-                    )
-                pieces.setdefault(key, []).append(st)
-                seg_of[key] = seg
-                keys.append(key)
-            plan.append((p, group, segs, keys))
-        merged = self._reduce_stats(pieces)
-        block_of = {
-            k: partition.choose_block_size(
-                s, seg_of[k].tensor_numel, partition.row_length(seg_of[k].shape)
-            )
-            for k, s in merged.items()
-        }
-
-        new_bits = sorted({g["bits"] for _, g, _, _ in plan} - set(self._codebooks))
-        if new_bits:
-            counts = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64, device="cpu")
-            cut = self._cut_block_absmax(plan, block_of)
-            for p, _, segs, keys in plan:
-                flat_g = _flat(sharding.local(p.grad), p, self)
-                for seg, key in zip(segs, keys, strict=True):
-                    piece = flat_g[seg.offset : seg.offset + seg.numel]
-                    _histogram(piece, seg, block_of[key], counts, cut.get(key, {}))
-            counts = self._reduce_histogram(counts)
-            for bits in new_bits:
-                self._codebooks[bits] = cb.learn_codebook(counts, bits)
-
-        for p, group, segs, keys in plan:
-            blocks = [block_of[k] for k in keys]
-            levels = self._shared_codebook(self._codebooks[group["bits"]], p.device)
-            self.state[p] = state.allocate(segs, blocks, levels, p.device)
-        self._cross_slots = None  # new tensors may be spread: agree on the table again
+        first_step.initialize(self, pending)
 
     # -- checkpoints -------------------------------------------------------------------------
     @staticmethod
@@ -678,6 +553,12 @@ class Gefen(Optimizer):
             raise ValueError(
                 f"state dict has {len(saved_groups)} param groups, optimizer has {len(groups)}"
             )
+        for i, saved in enumerate(saved_groups):  # torch's loader installs these settings as saved
+            settings = {k: v for k, v in saved.items() if k != "params"}
+            try:
+                validation.check_hyper({**opt.defaults, **settings})
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"saved param group {i}: {e}") from None
         saved_state = state_dict["state"]
         install = []
         for group, saved in zip(groups, saved_groups, strict=True):
@@ -718,55 +599,9 @@ class Gefen(Optimizer):
 
     # -- reporting ---------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
-        """State bytes per parameter tensor and in total, next to what AdamW would keep.
-        ``spread_v_cross``: v_cross entries this rank keeps for tensors spread over ranks, by
-        tensor; each rank holding a piece keeps a copy (4 bytes an entry), the one state that
-        sharding duplicates. ``backend``: which update ran; ``cpu_isa``: with native-cpu, the
-        vector path its build compiled ('avx512vbmi', 'avx512', 'avx2' or 'scalar')."""
-        rows = []
-        spread: dict[str, int] = {}
-        for p, st in self.state.items():
-            if st:
-                layout = st["layout"].tolist()
-                for seg, r in zip(self._segments_for(p), layout, strict=True):
-                    if self._spread_name(seg) and r[4]:
-                        spread[seg.name] = spread.get(seg.name, 0) + r[4]
-                fallback = sum(r[1] for r in layout if r[3] == 1)
-                rows.append(
-                    dict(
-                        name=self._name(p),
-                        shape=tuple(p.shape),
-                        numel=sharding.local(p).numel(),
-                        block_sizes=sorted({r[3] for r in layout}),
-                        fallback_numel=fallback,
-                        state_bytes=state.state_bytes(st),
-                        adamw_bytes=8 * sharding.local(p).numel(),
-                    )
-                )
-        total = sum(r["state_bytes"] for r in rows)
-        params = sum(r["numel"] for r in rows)
-        backend = self._backend_in_use()
-        return dict(
-            tensors=rows,
-            state_bytes=total,
-            params=params,
-            bytes_per_param=total / params if params else 0.0,
-            adamw_bytes=8 * params,
-            fallback_numel=sum(r["fallback_numel"] for r in rows),
-            spread_v_cross=spread,
-            bits=sorted(self._codebooks),
-            backend=backend,
-            cpu_isa=native_cpu.isa() if "native-cpu" in backend else None,
-        )
-
-    def _backend_in_use(self) -> str:
-        used = set()
-        for p, st in self.state.items():
-            if st:
-                local = sharding.local(p)
-                g = sharding.local(p.grad) if p.grad is not None else local
-                used.add(dispatch.REPORT_NAMES[self._impl(local, g)])
-        return "+".join(sorted(used)) or self._backend
+        """State bytes per parameter tensor and in total, next to what AdamW would keep
+        (``gefen_dist.memory_report.memory_report`` says what each entry means)."""
+        return memory_report.memory_report(self)
 
     def _segments_for(self, p: torch.Tensor) -> list[Segment]:
         if p in self._segments:
@@ -816,132 +651,9 @@ class Gefen(Optimizer):
         return f"parameter {tuple(p.shape)}"
 
 
-def format_memory_report(report: dict[str, Any]) -> str:
-    lines = [f"{'tensor':<44} {'numel':>10} {'B':>10} {'state B':>11} {'AdamW B':>11}"]
-    for r in report["tensors"]:
-        bs = ",".join(f"col{-b}" if b < 0 else str(b) for b in r["block_sizes"])
-        lines.append(
-            f"{r['name'][:44]:<44} {r['numel']:>10} {bs:>10} "
-            f"{r['state_bytes']:>11} {r['adamw_bytes']:>11}"
-        )
-    lines.append(
-        f"total: {report['state_bytes']} bytes = {report['bytes_per_param']:.3f} bytes/param "
-        f"(AdamW {report['adamw_bytes']} = 8.000); B = 1 fallback on "
-        f"{report['fallback_numel']} of {report['params']} parameters; update: "
-        f"{report['backend']}" + (f" ({report['cpu_isa']})" if report.get("cpu_isa") else "")
-    )
-    return "\n".join(lines)
-
-
-def _check_hyper(g: dict[str, Any]) -> None:
-    """A group's settings, refused by name before anything is built from them: a value that
-    only failed later (bits=4.0 at the codebook, lr="3e-4" at the first scheduler) would stop a
-    run after its process groups and first gradients."""
-    lr = _real("lr", g["lr"], tensor=True)
-    betas = g["betas"]
-    if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas!r} (must be a pair (beta1, beta2))")
-    b1, b2 = (_real(f"betas[{i}]", b, tensor=True) for i, b in enumerate(betas))
-    eps, wd = _real("eps", g["eps"]), _real("weight_decay", g["weight_decay"])
-    if not lr >= 0.0:
-        raise ValueError(f"Invalid lr: {lr} (must be >= 0)")
-    if not 0.0 <= b1 < 1.0:
-        raise ValueError(f"Invalid betas[0]: {b1} (must be in [0, 1))")
-    if not 0.0 <= b2 < 1.0:
-        raise ValueError(f"Invalid betas[1]: {b2} (must be in [0, 1))")
-    if not eps >= 0.0:
-        raise ValueError(f"Invalid eps: {eps} (must be >= 0)")
-    if not wd >= 0.0:
-        raise ValueError(f"Invalid weight_decay: {wd} (must be >= 0)")
-    bits = g["bits"]
-    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in (4, 8):
-        raise ValueError(f"Invalid bits: {bits!r} (must be the integer 4 or 8)")
-
-
-def is_real(value: Any) -> bool:
-    """A plain number for a setting; bool is an int to Python, never a learning rate."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _real(name: str, value: Any, tensor: bool = False) -> float:
-    if tensor and isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(
-                f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}"
-            )
-        return float(value)
-    if not is_real(value):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    return float(value)
-
-
 def _factor(impl: str, seg, h: Hyper, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """This step's cross factor of a segment from its tensor's sums: the C++ kernel's own pass
     where it updates the segment, the reference's elsewhere."""
     if impl == "cpu":
         return native_cpu.cross_factor(seg, h, sums, counts)
     return cross_factor(seg, h, cross_mean(sums, counts))
-
-
-def _contiguous(t: torch.Tensor, p: torch.Tensor, opt: Gefen) -> torch.Tensor:
-    if not t.is_contiguous():
-        raise ValueError(f"Gefen needs contiguous parameters and gradients; {opt._name(p)} is not")
-    return t
-
-
-def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where a collective's tensors go on ``group``: NCCL reduces only CUDA tensors, gloo CPU
-    ones. A group made with a device-qualified backend names it so ("cuda:nccl",
-    "cpu:gloo,cuda:nccl"); one with both takes CUDA tensors, which keeps GPU-side sums off the
-    host."""
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _flat(t: torch.Tensor, p: torch.Tensor, opt: Gefen) -> torch.Tensor:
-    return _contiguous(t, p, opt).view(-1)
-
-
-def _histogram(
-    g: torch.Tensor, seg: Segment, block_size: int, counts: torch.Tensor, cut: dict[int, float]
-) -> None:
-    """Add block-normalised values g / absmax(block) of one segment to ``counts``; ``cut`` gives
-    the whole-block absmax of blocks that a shard boundary cuts."""
-    if block_size == 1:
-        return
-    if block_size < 0:
-        _column_histogram(g, seg.start, -block_size, counts, cut.get(-1))
-        return
-    for c in block_chunks(seg.start, seg.numel, block_size, CHUNK):
-        x = g[c.elem : c.end].float().view(c.rows, c.length)
-        amax = x.abs().amax(dim=1, keepdim=True)
-        whole = cut.get((seg.start + c.elem) // block_size)
-        if c.length < block_size and whole is not None:
-            amax.fill_(whole)
-        keep = amax.view(-1) > 0
-        cb.histogram(x[keep] / amax[keep], cb.DEFAULT_BINS, out=counts)
-
-
-def _column_absmax(g: torch.Tensor, period: int) -> torch.Tensor:
-    """max |g| of each of a segment's column blocks (block k: its elements i = k mod period)."""
-    amax = torch.zeros(min(g.numel(), period), dtype=torch.float32, device=g.device)
-    for lo, hi, w in column_chunks(g.numel(), period, CHUNK):
-        torch.maximum(amax[:w], g[lo:hi].float().view(-1, w).abs().amax(dim=0), out=amax[:w])
-    return amax
-
-
-def _column_histogram(
-    g: torch.Tensor, start: int, period: int, counts: torch.Tensor, columns: torch.Tensor | None
-) -> None:
-    """``_histogram`` for column blocks: each column normalised by its absmax, that of the whole
-    column (``columns``, indexed by column) when the tensor is spread over ranks."""
-    nb = min(g.numel(), period)
-    if columns is None:
-        amax = _column_absmax(g, period)
-    else:
-        amax = columns.to(g.device)[(start + torch.arange(nb, device=g.device)) % period]
-    keep = amax > 0
-    for lo, hi, w in column_chunks(g.numel(), period, CHUNK):
-        x = g[lo:hi].float().view(-1, w)[:, keep[:w]]
-        cb.histogram((x / amax[:w][keep[:w]]).reshape(-1), cb.DEFAULT_BINS, out=counts)

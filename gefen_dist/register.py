@@ -15,6 +15,8 @@ import importlib
 import importlib.util
 import sys
 
+from . import optimizer
+
 __all__ = ["register"]
 
 _INTEGRATIONS = {"deepspeed": "gefen_dist.deepspeed"}
@@ -43,3 +45,18 @@ def register_loaded() -> None:
     for name, module in _INTEGRATIONS.items():
         if name in sys.modules:
             importlib.import_module(module)
+
+
+def _bind_deepspeed(opt) -> None:
+    """deepspeed.initialize must map ZeRO partitions to segments; without the integration each
+    flat partition would be blocked as one 1-D tensor."""
+    if "deepspeed" in sys.modules:
+        importlib.import_module(_INTEGRATIONS["deepspeed"])
+
+
+def _configure_fsdp2(opt) -> None:
+    importlib.import_module("gefen_dist.fsdp").configure(None, opt)
+
+
+optimizer.ON_CONSTRUCT.append(_bind_deepspeed)
+optimizer.ON_SHARDED.append(_configure_fsdp2)

@@ -178,13 +178,13 @@ def check_layout(name, parts, bits, dtype, device, steps=4) -> dict:
 def check_histogram(device) -> dict:
     g = _grad(96 * 301 + 5, 17, 96, 1, device)
     seg = Segment(0, g.numel(), 17, (400, 96))
-    from gefen_dist.optimizer import _histogram
+    from gefen_dist.first_step import histogram
 
     dev = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64)
-    _histogram(g, seg, 96, dev, {0: 7.5})
+    histogram(g, seg, 96, dev, {0: 7.5})
     ref = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64)
     x = g.cpu()
-    _histogram(x, seg, 96, ref, {0: 7.5})
+    histogram(x, seg, 96, ref, {0: 7.5})
     return dict(check="histogram", ok=bool(torch.equal(dev, ref)), total=float(dev.sum()))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gefen_dist.bench import store, suite, sweep, tasks
+from gefen_dist.bench import compare, store, suite, sweep, tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -317,9 +317,9 @@ def test_cli_rejects_sweep_flags_without_lr_sweep_and_a_sweep_without_adamw(caps
         ["--lr-sweep", "--seeds", "0"],
     ):
         with pytest.raises(SystemExit) as e:
-            suite.main(argv)
+            compare.main(argv)
         assert e.value.code == 2, argv
-    suite.main(["--lr-sweep", "--dry-run", "--tasks", "gru,mlp", "--optimizers", "adamw,gefen8"])
+    compare.main(["--lr-sweep", "--dry-run", "--tasks", "gru,mlp", "--optimizers", "adamw,gefen8"])
     out = capsys.readouterr().out
     n = sweep.plan([tasks.TASKS["gru"], tasks.TASKS["mlp"]], ["adamw", "gefen8"], GRID, 1, 3)
     assert f"= {n['sweep']} sweep runs" in out and f"at most {n['confirm_at_most']}" in out

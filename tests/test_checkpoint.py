@@ -102,6 +102,22 @@ def test_state_dict_with_other_bits_is_refused():
         opt2.load_state_dict(sd)
 
 
+@pytest.mark.parametrize(
+    "key,value,says",
+    [("lr", float("nan"), "lr"), ("betas", (0.9, 1.5), "betas"), ("bits", 5, "bits")],
+)
+def test_saved_group_settings_are_checked_like_the_constructor_s(key, value, says):
+    """torch's loader installs a saved group's settings as they are: a saved lr of NaN had
+    loaded and turned every parameter non-finite at the next step."""
+    _, opt = _trained()
+    sd = opt.state_dict()
+    sd["param_groups"][0][key] = value
+    opt2 = Gefen(list(GPT(TINY).named_parameters()), lr=3e-3)
+    with pytest.raises(ValueError, match=f"saved param group 0: Invalid {says}"):
+        opt2.load_state_dict(sd)
+    assert not opt2.state and opt2.param_groups[0]["lr"] == 3e-3
+
+
 def test_corrupted_state_is_refused():
     _, opt = _trained()
     sd = opt.state_dict()

@@ -671,14 +671,7 @@ DCP_DAMAGES = [
     "bit flips in rank 1's v, absmax, v_cross, codes",
     "step NaN",
     "rank 1's entry dropped",
-    pytest.param(
-        "rank 1's packed state truncated",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="gefen_dist.fsdp._decode lets torch.load's error through without the "
-            "parameter's name ('negative seek value')",
-        ),
-    ),
+    "rank 1's packed state truncated",
     "random codes on rank 0",
     "undamaged",
 ]

@@ -10,7 +10,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "compare": ("gefen_dist.bench.suite", "quality suite: every optimizer on every task"),
+    "compare": ("gefen_dist.bench.compare", "quality suite: every optimizer on every task"),
     "memory": ("gefen_dist.bench.memory", "optimizer-state memory measurements"),
     "capacity": ("gefen_dist.bench.capacity", "largest microbatch under a memory budget"),
 }

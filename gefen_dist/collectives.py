@@ -1,0 +1,106 @@
+"""The collectives Gefen runs over its process group, each for one agreement between ranks.
+
+Why these exist: a tensor sharded over ranks (FSDP, ZeRO) must be blocked, normalised and
+factored exactly as one process would do it with the whole tensor, so the ranks that hold its
+pieces exchange the few numbers that decide it. Each function is a no-op without a group (one
+process, or DDP, where every rank already sees the whole tensor and the same averaged gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import partition
+
+
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a collective's tensors go on ``group``: NCCL reduces only CUDA tensors, gloo CPU
+    ones. A group made with a device-qualified backend names it so ("cuda:nccl",
+    "cpu:gloo,cuda:nccl"); one with both takes CUDA tensors, which keeps GPU-side sums off the
+    host."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def any_rank(group: dist.ProcessGroup | None, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank: partitioning, and a refusal of the first step, are
+    collective when parameters are sharded, so all ranks enter (or refuse) them together."""
+    if group is None:
+        return flag
+    t = torch.tensor([int(flag)], device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def _gather(group: dist.ProcessGroup, obj: Any) -> list[Any]:
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, obj, group=group)
+    return every
+
+
+def merge_stats(
+    group: dist.ProcessGroup | None, pieces: dict[Hashable, list[partition.TensorStats]]
+) -> dict[Hashable, partition.TensorStats]:
+    """Partition statistics per tensor; named pieces come from tensors spread over ranks, so
+    every rank's pieces of the same name are merged: every rank then chooses the same block."""
+    if group is not None:
+        named = {k: v for k, v in pieces.items() if isinstance(k, str)}
+        pieces = {k: v for k, v in pieces.items() if not isinstance(k, str)}
+        for other in _gather(group, named):
+            for k, v in other.items():
+                if k in named:
+                    pieces.setdefault(k, []).extend(v)
+    return {k: partition.merge_stats(v) for k, v in pieces.items()}
+
+
+def sum_histogram(group: dist.ProcessGroup | None, counts: torch.Tensor) -> torch.Tensor:
+    """Every rank learns the codebook from the sum of all ranks' g0 histograms."""
+    if group is not None:
+        on = counts.to(comm_device(group))
+        dist.all_reduce(on, group=group)
+        counts = on.to(counts.device)
+    return counts
+
+
+def max_cut_absmax(
+    group: dist.ProcessGroup, local: dict[Hashable, dict[int, Any]]
+) -> dict[Hashable, dict[int, Any]]:
+    """The whole block's absmax of each block a shard boundary cuts, from every rank's pieces
+    (``local``: tensor name -> block index -> the piece's absmax; index -1 holds every column's
+    absmax of a column-blocked tensor, as a tensor)."""
+    out: dict[Hashable, dict[int, Any]] = {}
+    for other in _gather(group, local):
+        for key, blocks in other.items():
+            if key in local:
+                for b, amax in blocks.items():
+                    had = out.setdefault(key, {}).get(b)
+                    if had is not None:
+                        amax = torch.maximum(had, amax) if b == -1 else max(had, amax)
+                    out[key][b] = amax
+    return out
+
+
+def agree_cross_slots(
+    group: dist.ProcessGroup, local: dict[str, int]
+) -> dict[str, tuple[int, int]]:
+    """Where each tensor spread over ranks puts its v_cross sums in the per-step all-reduce:
+    name -> (offset, entries), the same on every rank (``local``: the v_cross entries of the
+    spread tensors this rank holds a piece of)."""
+    merged: dict[str, int] = {}
+    for other in _gather(group, local):
+        for name, n in other.items():
+            if merged.setdefault(name, n) != n:
+                raise RuntimeError(
+                    f"ranks disagree on the v_cross entries of {name!r} "
+                    f"({merged[name]} and {n}): different block sizes on different ranks"
+                )
+    slots, at = {}, 0
+    for name in sorted(merged):
+        slots[name] = (at, merged[name])
+        at += merged[name]
+    return slots
