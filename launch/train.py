@@ -23,11 +23,34 @@ Under Accelerate's DeepSpeed, a DeepSpeed config with an ``"optimizer"`` section
 build the optimizer (``"type": "Gefen"``) with the run config's lr and weight decay; its other
 settings (betas, bits) are the DeepSpeed config's, and the run warns where they differ.
 
-With ``checkpoint.dir`` set, the run saves at ``checkpoint.save_at`` (0: the last step) through
-each framework's own path: DDP one torch.save by rank 0, FSDP1/FSDP2 torch.distributed.checkpoint,
-DeepSpeed ``engine.save_checkpoint``, Accelerate ``save_state``; every rank adds its step, data
-generator and loss curve. ``--resume DIR`` continues that run: same config (``checkpoint.*``
-aside), same launcher and world size, and the same losses as a run never stopped.
+With ``checkpoint.dir`` set, the run saves at ``checkpoint.save_at`` (0: the last step), and
+every ``checkpoint.every`` steps where that is set, through each framework's own path: DDP one
+torch.save by rank 0, FSDP1/FSDP2 torch.distributed.checkpoint, DeepSpeed
+``engine.save_checkpoint``, Accelerate ``save_state``; every rank adds its step, data generator
+and loss curve. ``--resume DIR`` continues that run from the newest complete checkpoint in DIR
+(or from DIR itself, where it is one): same config (``checkpoint.*`` aside), same launcher and
+world size, and the same losses as a run never stopped.
+
+A save can be cut short by a killed rank at any point, and must then never pass for a complete
+one, whatever the framework wrote (DCP's ``.metadata``, DeepSpeed's ``latest``). So every save of
+step S goes into ``DIR/.step_S.tmp/``; after a barrier that every rank reaches only once its files
+are written, rank 0 fsyncs them, writes and fsyncs the marker ``COMPLETE`` (the step, the world
+size, each file's size) and renames the directory to ``DIR/step_S/`` (zero-padded to six
+digits). A directory counts as a checkpoint only under that name with a marker whose files are
+all there, so a torn save is ignored on resume, and removed when the next run starts. A
+checkpoint directory of the older flat layout (``trainer_rank0.pt`` in DIR itself) still loads.
+
+``--digest`` adds to the ``--out`` JSON a sha256 per rank over that rank's pieces of the
+parameters and over the optimizer's own parameters (DeepSpeed's fp32 partitions), state tensors
+and settings, so that two runs can be checked for the same bits and not only the same losses.
+
+Test hook: ``GEFEN_CHAOS_KILL="R:S:P"`` makes rank R send itself SIGKILL at point P of step S,
+so that ``launch/chaos.py`` can kill a rank inside a phase rather than at a random instant that
+mostly falls in startup. P is ``forward`` (the training forward, after the first block ran),
+``step`` (the optimizer's step pre-hook: under DeepSpeed inside ``engine.step()``, after ZeRO
+reduced the gradients), ``save`` (half of the rank's trainer file written, after the framework
+wrote its part) or ``commit`` (rank 0: the marker written, the rename not done; any other rank:
+past the barrier, racing rank 0's rename). A save or commit point fires only where step S saves.
 """
 
 from __future__ import annotations
@@ -35,11 +58,16 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import hashlib
+import io
 import json
 import math
 import os
+import re
 import resource
 import shlex
+import shutil
+import signal
 import statistics
 import sys
 import time
@@ -50,9 +78,9 @@ import torch.distributed as dist
 import yaml
 
 from gefen_dist import Gefen
+from gefen_dist.collectives import comm_device
 from gefen_dist.corpus import get_batch, load_corpus
 from gefen_dist.model import GPT, Block, GPTConfig
-from gefen_dist.optimizer import comm_device
 
 DEFAULTS: dict = {
     "model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64},
@@ -72,7 +100,7 @@ DEFAULTS: dict = {
     },
     "sharding": {"mode": "ddp", "zero_stage": 2},
     "device": "auto",
-    "checkpoint": {"dir": "", "save_at": 0, "resume": ""},
+    "checkpoint": {"dir": "", "save_at": 0, "every": 0, "resume": ""},
 }
 CHOICES = {
     "device": ("auto", "cpu", "cuda"),
@@ -91,6 +119,12 @@ LAUNCHERS = {
     "accelerate": "accelerate launch --multi_gpu --num_processes 2",
 }
 TRAINER_FILE = "trainer_rank{}.pt"
+STEP_DIR = "step_{:06d}"
+STEP_RE = re.compile(r"step_(\d{6,})")
+TORN_RE = re.compile(r"\.step_\d{6,}\.(tmp|old)")
+DONE = "COMPLETE"
+CHAOS_ENV = "GEFEN_CHAOS_KILL"
+CHAOS_PHASES = ("forward", "step", "save", "commit")
 MiB = 2**20
 
 
@@ -167,13 +201,112 @@ def check(cfg: dict, where: str) -> None:
             f"{where}: key 'checkpoint.save_at' must be in [0, steps={cfg['steps']}] "
             f"(0: the last step), got {c['save_at']}"
         )
-    if c["save_at"] and not c["dir"]:
-        raise ConfigError(f"{where}: key 'checkpoint.save_at' needs 'checkpoint.dir' set")
-    if c["resume"] and not (Path(c["resume"]) / TRAINER_FILE.format(0)).is_file():
+    if c["every"] < 0:
         raise ConfigError(
-            f"{where}: key 'checkpoint.resume': {c['resume']!r} holds no checkpoint of this "
-            f"script (no {TRAINER_FILE.format(0)})"
+            f"{where}: key 'checkpoint.every' must be >= 0 (0: off), got {c['every']}"
         )
+    for key in ("save_at", "every"):
+        if c[key] and not c["dir"]:
+            raise ConfigError(f"{where}: key 'checkpoint.{key}' needs 'checkpoint.dir' set")
+    if c["resume"] and find_checkpoint(c["resume"]) is None:
+        raise ConfigError(
+            f"{where}: key 'checkpoint.resume': {c['resume']!r} holds no complete checkpoint of "
+            f"this script (no step_NNNNNN/ with a {DONE} marker, nor a "
+            f"{TRAINER_FILE.format(0)})"
+        )
+
+
+def is_complete(d: str | Path) -> bool:
+    """Whether ``d`` holds a finished save: its marker, and every file the marker lists at the
+    size it lists (a file lost or cut later makes it as unusable as a torn save)."""
+    try:
+        marker = json.loads((Path(d) / DONE).read_text())
+        return all((Path(d) / rel).stat().st_size == size for rel, size in marker["files"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete checkpoint under ``root``, oldest first."""
+    try:
+        entries = list(Path(root).iterdir())
+    except OSError:
+        return []
+    found = [(int(m.group(1)), e) for e in entries if (m := STEP_RE.fullmatch(e.name))]
+    return sorted((s, e) for s, e in found if is_complete(e))
+
+
+def torn_checkpoints(root: str | Path) -> list[Path]:
+    """Saves that never completed (or a replaced checkpoint not yet removed) under ``root``."""
+    try:
+        return sorted(e for e in Path(root).iterdir() if TORN_RE.fullmatch(e.name))
+    except OSError:
+        return []
+
+
+def find_checkpoint(d: str | Path) -> Path | None:
+    """The checkpoint ``--resume d`` loads: ``d`` itself where it is a complete one, else the
+    newest complete one in it; a flat-layout directory of earlier revisions counts as complete,
+    since this script never writes that layout any more (a torn save is never named so)."""
+    d = Path(d)
+    if is_complete(d):
+        return d
+    found = complete_checkpoints(d)
+    if found:
+        return found[-1][1]
+    legacy = (d / TRAINER_FILE.format(0)).is_file() and not (d / DONE).exists()
+    if legacy and not TORN_RE.fullmatch(d.name) and not STEP_RE.fullmatch(d.name):
+        return d
+    return None
+
+
+def parse_chaos(spec: str) -> tuple[int, int, str] | None:
+    """``R:S:P`` from ``GEFEN_CHAOS_KILL`` (see the module docstring), checked before any process
+    group starts, so that a typo fails the test at once rather than letting the run live."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit() and parts[2] in CHAOS_PHASES:
+        return int(parts[0]), int(parts[1]), parts[2]
+    raise ConfigError(
+        f"{CHAOS_ENV}={spec!r}: expected RANK:STEP:PHASE, PHASE one of {', '.join(CHAOS_PHASES)}"
+    )
+
+
+class Chaos:
+    """The kill point of ``GEFEN_CHAOS_KILL`` on this rank; inert where none is set."""
+
+    def __init__(self, target: tuple[int, int, str] | None, rank: int):
+        self.target = target if target and target[0] == rank else None
+        self.rank = rank
+        self.step = 0
+        self.in_forward = False
+
+    def due(self, phase: str) -> bool:
+        return self.target is not None and self.target[1:] == (self.step, phase)
+
+    def at(self, phase: str) -> None:
+        if self.due(phase):
+            self.kill(phase)
+
+    def kill(self, phase: str) -> None:
+        sys.stdout.flush()
+        print(f"chaos: rank {self.rank} sends itself SIGKILL in the {phase} of step {self.step}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def install(self, model: torch.nn.Module, opt) -> None:
+        """The forward and step kill points, as hooks, only on the rank that is to die."""
+        if self.target is None:
+            return
+        first = next(m for m in model.modules() if isinstance(m, Block))
+
+        def forward_hook(*_):
+            if self.in_forward:
+                self.at("forward")
+
+        first.register_forward_hook(forward_hook)
+        stepped(opt).register_step_pre_hook(lambda *_: self.at("step"))
 
 
 def check_launcher(cfg: dict, argv: list[str]) -> None:
@@ -196,7 +329,7 @@ def check_launcher(cfg: dict, argv: list[str]) -> None:
 def check_resume(cfg: dict) -> None:
     """A resumed run must repeat the saved run's settings: any other model, data, schedule or
     world size would not continue the same sequence, and would fail later and less clearly."""
-    d = Path(cfg["checkpoint"]["resume"])
+    d = find_checkpoint(cfg["checkpoint"]["resume"])
     saved = torch.load(d / TRAINER_FILE.format(0), weights_only=True)
     old, new = _flat(saved["config"]), _flat(cfg)
     differ = [
@@ -471,17 +604,30 @@ def _ran_label(ran: dict) -> str:
     return f"{what} on {ran['device']} ({ran['backend']})"
 
 
-def save_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, trainer: dict) -> None:
-    """Each framework's own checkpoint, then every rank's trainer file, written last so that a
-    directory holding one holds a complete checkpoint."""
+def save_checkpoint(
+    cfg: dict, root: Path, step: int, model, opt, engine, accelerator, trainer: dict,
+    chaos: Chaos | None = None,
+) -> Path:  # fmt: skip
+    """Each framework's own checkpoint and every rank's trainer file, in a directory that takes
+    its final name (``step_NNNNNN``) only once all of it is on disk: a rank killed at any point
+    leaves a ``.step_NNNNNN.tmp`` that no resume takes (module docstring)."""
+    chaos = chaos or Chaos(None, 0)
     mode = cfg["sharding"]["mode"]
-    d.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank()
+    final = root / STEP_DIR.format(step)
+    d = root / f".{final.name}.tmp"
+    if rank == 0:  # a torn save of this step by an earlier, killed run
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    dist.barrier()
     if engine is not None:
+        # DeepSpeed's own "latest" file lands in d too: renamed with the rest or never seen,
+        # and the load names its tag rather than reading it
         engine.save_checkpoint(str(d), tag="deepspeed")
     elif accelerator is not None:
         accelerator.save_state(str(d / "accelerate"))
     elif mode == "ddp":
-        if dist.get_rank() == 0:
+        if rank == 0:
             state = {"model": model.module.state_dict(), "optim": opt.state_dict()}
             torch.save(state, d / "ddp.pt")
     else:
@@ -490,14 +636,70 @@ def save_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, trainer
 
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(d / "dcp"))
+    buf = io.BytesIO()
+    torch.save(trainer, buf)
+    data = buf.getvalue()
+    with open(d / TRAINER_FILE.format(rank), "wb") as f:
+        if chaos.due("save"):  # a file cut short, as a kill in the middle of a write leaves it
+            f.write(data[: len(data) // 2])
+            f.flush()
+            chaos.kill("save")
+        f.write(data)
+    dist.barrier()  # every rank's files are written
+    if rank == 0:
+        _commit(d, final, step, dist.get_world_size(), chaos)
+    else:
+        chaos.at("commit")
     dist.barrier()
-    torch.save(trainer, d / TRAINER_FILE.format(dist.get_rank()))
-    dist.barrier()
+    return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(d: Path, final: Path, step: int, world: int, chaos: Chaos) -> None:
+    """Rank 0 makes a written save a checkpoint: the files and the marker on disk before the
+    rename, and the rename on disk before training goes on, so that neither a kill nor a power
+    cut can leave a ``step_NNNNNN`` directory whose marker names files that are not there."""
+    files = {}
+    for f in sorted(p for p in d.rglob("*") if p.is_file()):
+        _fsync(f)
+        files[str(f.relative_to(d))] = f.stat().st_size
+    for sub in sorted({f.parent for f in d.rglob("*") if f.is_file()}):
+        _fsync(sub)
+    marker = json.dumps(dict(step=step, world_size=world, files=files), indent=1)
+    with open(d / DONE, "w") as f:
+        f.write(marker)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(d)
+    chaos.at("commit")
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():  # a resume from an older checkpoint saves this step again
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(d, final)
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_torn(root: Path) -> list[str]:
+    """Rank 0, before the run's first save: the directories killed saves left behind."""
+    gone = []
+    for t in torn_checkpoints(root):
+        shutil.rmtree(t, ignore_errors=True)
+        gone.append(t.name)
+    return gone
 
 
 def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device) -> dict:
-    """Load what ``save_checkpoint`` wrote into the freshly built model and optimizer; returns
-    this rank's trainer state."""
+    """Load what ``save_checkpoint`` wrote (``d`` a complete checkpoint, as ``find_checkpoint``
+    names it) into the freshly built model and optimizer; returns this rank's trainer state."""
     mode = cfg["sharding"]["mode"]
     if engine is not None:
         path, _ = engine.load_checkpoint(str(d), tag="deepspeed")
@@ -517,6 +719,48 @@ def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(d / "dcp"))
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     return torch.load(d / TRAINER_FILE.format(dist.get_rank()), weights_only=True)
+
+
+def _hash_tensor(h, name: str, t: torch.Tensor) -> None:
+    t = _local(t).detach().cpu().contiguous().reshape(-1)
+    h.update(f"{name}:{t.dtype}:{t.numel()};".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes())
+
+
+def digest(model, opt) -> dict:
+    """This rank's sha256 over its pieces of the model's parameters (by name), and over the
+    optimizer's parameters (the fp32 partitions under DeepSpeed), state tensors and plain
+    settings, in group order: equal digests mean the same bits, not only the same losses."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        # FSDP2 leaves the root's parameters gathered after a forward without backward (the last
+        # evaluation) in one run and sharded in another: hash the shards in every run
+        model.reshard()
+    params = hashlib.sha256()
+    named = sorted(model.named_parameters(), key=lambda kv: kv[0])
+    for name, p in named:
+        _hash_tensor(params, name, p)
+    optim = hashlib.sha256()
+    inner, n = stepped(opt), 0
+    for gi, g in enumerate(inner.param_groups):
+        plain = {
+            k: v
+            for k, v in g.items()
+            if k != "params" and isinstance(v, int | float | str | bool | list | tuple | None)
+        }
+        optim.update(json.dumps(plain, sort_keys=True, default=str).encode())
+        for pi, p in enumerate(g["params"]):
+            _hash_tensor(optim, f"g{gi}.p{pi}", p)
+            for key in sorted(inner.state.get(p, {})):
+                value = inner.state[p][key]
+                if torch.is_tensor(value):
+                    _hash_tensor(optim, f"g{gi}.p{pi}.{key}", value)
+                    n += 1
+                else:
+                    optim.update(f"g{gi}.p{pi}.{key}={value!r};".encode())
+    return dict(params=params.hexdigest(), optimizer=optim.hexdigest(), state_tensors=n,
+                param_tensors=len(named))  # fmt: skip
 
 
 def clip(cfg: dict, model, accelerator) -> None:
@@ -558,8 +802,15 @@ def _mean(value: float) -> float:
     return t.item() / dist.get_world_size()
 
 
-def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | None:
-    """Train under the configured sharding; rank 0 returns (and writes to ``out``) the results."""
+def train(
+    cfg: dict,
+    out: str | None = None,
+    progress: bool = True,
+    with_digest: bool = False,
+    chaos: tuple[int, int, str] | None = None,
+) -> dict | None:
+    """Train under the configured sharding; rank 0 returns (and writes to ``out``) the results.
+    ``chaos`` is the parsed ``GEFEN_CHAOS_KILL`` test hook (module docstring)."""
     torch.set_num_threads(1)
     m, d = cfg["model"], cfg["data"]
     mcfg = GPTConfig(
@@ -573,6 +824,8 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
     elif accelerator is not None:
         device = accelerator.device
     rank, world = dist.get_rank(), dist.get_world_size()
+    killer = Chaos(chaos, rank)
+    killer.install(model, opt)
     train_data, val_data = load_corpus(max_bytes=d["max_bytes"])
     bs, T = d["batch_size"], m["block_size"]
     g_val = torch.Generator().manual_seed(10_000 + cfg["seed"])
@@ -584,22 +837,35 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
     base_lr = [g["lr"] for g in opt.param_groups]
     ck = cfg["checkpoint"]
     save_at = (ck["save_at"] or cfg["steps"]) if ck["dir"] else None
+    every = ck["every"] if ck["dir"] else 0
     first = 0
     window: list[float] = []
+    if ck["dir"] and rank == 0:
+        gone = remove_torn(Path(ck["dir"]))
+        if gone:
+            print(f"removed torn checkpoints in {ck['dir']}: {', '.join(gone)}", flush=True)
     if ck["resume"]:
-        trainer = load_checkpoint(cfg, Path(ck["resume"]), model, opt, engine, accelerator, device)
+        src = find_checkpoint(ck["resume"])
+        if src is None:  # checked in main(); here for a caller of train() itself
+            raise ConfigError(f"checkpoint.resume {ck['resume']!r}: no complete checkpoint")
+        trainer = load_checkpoint(cfg, src, model, opt, engine, accelerator, device)
         first, window, curve = trainer["step"], trainer["window"], trainer["curve"]
         gen.set_state(trainer["data_rng"])
+        if rank == 0:
+            print(f"resuming at step {first} from {src}", flush=True)
     else:
         curve = [dict(step=0, train_loss=None, val_loss=_mean(evaluate(model, val)))]
     times: list[float] = []
     t_start = time.perf_counter()
     for step in range(first + 1, cfg["steps"] + 1):
+        killer.step = step
         t0 = time.perf_counter()
         for g, lr in zip(opt.param_groups, base_lr, strict=True):
             g["lr"] = lr * lr_factor(cfg, step - 1)
         x, y = (t.to(device) for t in get_batch(train_data, bs, T, gen))
+        killer.in_forward = True
         loss = model(x, y)[1]
+        killer.in_forward = False
         if engine is not None:
             engine.backward(loss)
             engine.step()
@@ -614,10 +880,11 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
             tl = _mean(sum(window) / len(window))
             curve.append(dict(step=step, train_loss=tl, val_loss=_mean(evaluate(model, val))))
             window = []
-        if step == save_at:
+        if step == save_at or (every and step % every == 0):
             trainer = dict(step=step, data_rng=gen.get_state(), window=window, curve=curve,
                            config=cfg, world_size=world)  # fmt: skip
-            save_checkpoint(cfg, Path(ck["dir"]), model, opt, engine, accelerator, trainer)
+            save_checkpoint(cfg, Path(ck["dir"]), step, model, opt, engine, accelerator,
+                            trainer, killer)  # fmt: skip
         if rank == 0 and progress:
             _bar(step - first, cfg["steps"] - first,
                  window[-1] if window else curve[-1]["train_loss"], t_start)  # fmt: skip
@@ -629,13 +896,17 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
             held,
             n,
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            statistics.median(times),
+            statistics.median(times) if times else 0.0,  # none: resumed at the last step
         ],
         dtype=torch.float64,
         device=comm_device(),
     )
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    digests = None
+    if with_digest:
+        digests = [None] * world
+        dist.all_gather_object(digests, dict(rank=rank, **digest(model, opt)))
     result = None
     if rank == 0:
         ranks = [
@@ -647,7 +918,7 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
                 peak_rss_bytes=int(t[2]),
                 step_time_median_s=float(t[3]),
             )
-            for r, t in enumerate(every)
+            for r, t in enumerate(gathered)
         ]
         result = dict(
             config=cfg,
@@ -663,6 +934,8 @@ def train(cfg: dict, out: str | None = None, progress: bool = True) -> dict | No
             ranks=ranks,
             torch_version=torch.__version__,
         )
+        if digests is not None:
+            result["digest"] = digests
         if out:
             Path(out).write_text(json.dumps(result, indent=1))
         name, mode = cfg["optimizer"]["name"], cfg["sharding"]["mode"]
@@ -709,7 +982,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--out", help="rank 0 writes the results JSON here")
     ap.add_argument(
-        "--resume", metavar="DIR", help="continue the run checkpointed in DIR (checkpoint.resume)"
+        "--resume",
+        metavar="DIR",
+        help="continue from the newest complete checkpoint in DIR, or DIR itself where it is one "
+        "(checkpoint.resume)",
+    )
+    ap.add_argument(
+        "--digest",
+        action="store_true",
+        help="add every rank's sha256 of its parameters and optimizer state to the --out JSON",
     )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -725,9 +1006,10 @@ def main(argv: list[str] | None = None) -> None:
         check_launcher(cfg, sys.argv[1:] if argv is None else argv)
         if cfg["checkpoint"]["resume"]:
             check_resume(cfg)
+        chaos = parse_chaos(os.environ.get(CHAOS_ENV, ""))
     except (ConfigError, LauncherError) as e:
         ap.exit(2, f"error: {e}\n")
-    train(cfg, args.out, progress=not args.no_progress)
+    train(cfg, args.out, progress=not args.no_progress, with_digest=args.digest, chaos=chaos)
     # The process group, the model and the optimizer sit in reference cycles, so without this
     # the last reference to gloo's process group went at interpreter exit: one of its worker
     # threads, still releasing a finished all_gather's tensors, asked for the GIL during
