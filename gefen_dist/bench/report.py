@@ -351,21 +351,25 @@ def _goal_lines(g: dict) -> list[str]:
         if "note" in x:
             L.append(f"- {x['task']}, {x['gefen']}: MISSED ({x['note']})")
             continue
-        what = (
-            f"{100 * x['rel']:+.2f} % val loss"
-            if x["metric"] == "val_loss"
-            else f"{100 * x['diff']:+.2f} accuracy points"
-        )
-        why = []
-        if not x["within_tolerance"]:
-            why.append("outside the tolerance")
-        if x["significantly_worse"]:
-            why.append(f"significantly worse (t {x['t']:+.1f} > {x['t_crit']:.2f})")
-        L.append(
-            f"- {x['task']}, {x['gefen']}: {what}: "
-            + ("met" if x["ok"] else "MISSED, " + " and ".join(why))
-        )
+        L.append(f"- {x['task']}, {x['gefen']}: {goal_verdict(x)}")
     return L
+
+
+def goal_verdict(x: dict, tol: float | None = None) -> str:
+    """One Gefen's goal (b) row as a line's end: its Δ, then met or MISSED and why; with
+    ``tol``, the allowance after the Δ."""
+    loss = x["metric"] == "val_loss"
+    what = (
+        f"{100 * x['rel']:+.2f} % val loss" if loss else f"{100 * x['diff']:+.2f} accuracy points"
+    )
+    if tol is not None:
+        what += f" (allowed +{100 * tol:g} %)" if loss else f" (allowed -{100 * tol:g})"
+    why = []
+    if not x["within_tolerance"]:
+        why.append("outside the tolerance")
+    if x["significantly_worse"]:
+        why.append(f"significantly worse (t {x['t']:+.1f} > {x['t_crit']:.2f})")
+    return f"{what}: " + ("met" if x["ok"] else "MISSED, " + " and ".join(why))
 
 
 def _fallback_lines(cells: dict, task: tasks.Task, g: dict) -> list[str]:

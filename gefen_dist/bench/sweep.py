@@ -859,19 +859,9 @@ def _at_adamw_lines(
             L.append(f"- {peers.PEERS[x['gefen']].label}: {x['note']}")
             continue
         tol = report.GEFEN[x["gefen"]][1 if x["metric"] == "val_acc" else 0]
-        what = (
-            f"{100 * x['rel']:+.2f} % val loss (allowed +{100 * tol:g} %)"
-            if x["metric"] == "val_loss"
-            else f"{100 * x['diff']:+.2f} accuracy points (allowed -{100 * tol:g})"
-        )
-        why = []
-        if not x["within_tolerance"]:
-            why.append("outside the tolerance")
-        if x["significantly_worse"]:
-            why.append(f"significantly worse (t {x['t']:+.1f} > {x['t_crit']:.2f})")
         L.append(
-            f"- Goal (b) at AdamW's best lr, {peers.PEERS[x['gefen']].label}: {what}: "
-            + ("met" if x["ok"] else "MISSED, " + " and ".join(why))
+            f"- Goal (b) at AdamW's best lr, {peers.PEERS[x['gefen']].label}: "
+            + report.goal_verdict(x, tol)
         )
     return L + [""]
 
