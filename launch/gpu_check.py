@@ -8,7 +8,7 @@ On the CPU, the same script under Triton's interpreter (``TRITON_INTERPRET=1``: 
 on CPU tensors, slowly, so every size is small); CI runs it this way, so the script is known to
 work end to end before a GPU ever runs it:
 
-    python launch/gpu_check.py --interpret --scale 0.0001 --steps 2 --out DIR
+    python launch/gpu_check.py --interpret --scale 0.000004 --steps 2 --out DIR
 
 1. Checks the kernels against the reference update, step by step from identical state: awkward
    layouts (prime sizes, B = 1, odd block sizes and odd starts at 4 bits, a block of 50k
@@ -356,9 +356,12 @@ def matrices(n_tensors: int, rows: int, cols: int) -> list[tuple[int, ...]]:
     return [(rows, cols)] * n_tensors
 
 
-def gpt2_shapes(scale: float) -> list[tuple[int, ...]]:
-    """GPT-2 124M's 148 parameter shapes at scale 1; narrower (d = 64, vocab 512) below it."""
+def gpt2_shapes(scale: float, tiny: bool = False) -> list[tuple[int, ...]]:
+    """GPT-2 124M's 148 parameter shapes at scale 1; narrower (d = 64, vocab 512) below it, and
+    ``tiny`` (d = 16, vocab 64: the interpreter's) narrower still."""
     d, vocab, ctx = (768, 50257, 1024) if scale >= 1 else (64, 512, 128)
+    if tiny:
+        d, vocab, ctx = 16, 64, 32
     layer = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,)]
     layer += [(4 * d, d), (d,)]
     return [(vocab, d), (ctx, d), *layer * 12, (d,), (d,)]
@@ -387,7 +390,7 @@ def _device_ops(opt, device) -> int | None:
         return None
 
 
-def time_step(name, dtype, device, shapes, steps, label) -> dict:
+def time_step(name, dtype, device, shapes, steps, label, warmup: int = 3) -> dict:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype) * 0.02) for s in shapes]
     scales = [torch.randn(s[0], *[1] * (len(s) - 1), device=device).exp() for s in shapes]
@@ -407,7 +410,7 @@ def time_step(name, dtype, device, shapes, steps, label) -> dict:
         return dict(head, **{miss: f"{type(e).__name__}: {e}"[:300]})
 
     try:
-        for t in range(3):
+        for t in range(warmup):
             feed(params, grads, t)
             opt.step()
         times, host = [], []
@@ -515,7 +518,9 @@ def main() -> None:
         sys.exit(0 if report["checks_ok"] else "some checks failed: see gpu_check.json")
 
     # 16 x 8192 x 8192 = 1.07B parameters at scale 1
-    rows = max(64, int(8192 * a.scale**0.5) // 64 * 64)
+    least = 16 if interpret else 64  # the interpreter steps a few thousand elements a second
+    rows = max(least, int(8192 * a.scale**0.5) // least * least)
+    warmup = 1 if interpret else 3
     n_tensors, cols = 16, rows
     report["copy_bytes_per_s"] = copy_bandwidth(device, min(2**28, n_tensors * rows * cols))
     timings = []
@@ -537,11 +542,11 @@ def main() -> None:
                 )
                 continue
             shapes = matrices(n_tensors, rows, cols)
-            timings.append(time_step(name, dtype, device, shapes, a.steps, "matrices"))
+            timings.append(time_step(name, dtype, device, shapes, a.steps, "matrices", warmup))
             print(json.dumps(timings[-1]), flush=True)
     for name in names[:3]:
-        shapes = gpt2_shapes(a.scale)
-        timings.append(time_step(name, torch.float32, device, shapes, a.steps, "gpt2_124m"))
+        shapes = gpt2_shapes(a.scale, tiny=interpret)
+        timings.append(time_step(name, torch.float32, device, shapes, a.steps, "gpt2_124m", warmup))
         print(json.dumps(timings[-1]), flush=True)
     report["timings"] = timings
     report["timings_ok"] = not any("error" in t for t in timings)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs gefen_dist, what its tests need (DeepSpeed, Accelerate, transformers), matplotlib
-# (the main job's plots), the peers it is compared with (bitsandbytes, torchao, Adam-mini,
-# pytorch-optimizer's SM3, scikit-learn's digits) and ninja (the native kernels' builds). Where no torch is present it installs the CPU build first
+# Installs gefen_dist, what its tests need (pytest, ruff, triton for the GPU kernels under its
+# interpreter, DeepSpeed, Accelerate, transformers), matplotlib (the main job's plots) and the
+# peers it is compared with (bitsandbytes, torchao, Adam-mini, pytorch-optimizer's SM3,
+# scikit-learn's digits). Where no torch is present it installs the CPU build first
 # (torch==2.13.0 lies on this kind of machine's disk); a bare `pip install torch` would pull a
 # multi-GB CUDA build, and so would a dependency asking for torch with none installed.
 set -euo pipefail
@@ -10,4 +11,4 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
 fi
-"$PY" -m pip install -q -e ".[test,distributed,demo,bench,native]"
+"$PY" -m pip install -q -e ".[test,distributed,demo,bench]"

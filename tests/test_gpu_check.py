@@ -20,7 +20,7 @@ def report(tmp_path_factory) -> dict:
     """One whole run, checks then timings, at a tiny scale: its report after a clean exit."""
     out = tmp_path_factory.mktemp("gpu_check")
     cmd = [sys.executable, str(ROOT / "launch" / "gpu_check.py"), "--out", str(out)]
-    cmd += ["--interpret", "--scale", "0.0001", "--steps", "2"]
+    cmd += ["--interpret", "--scale", "0.000004", "--steps", "2"]  # 16 matrices of 16 x 16
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = json.loads((out / "gpu_check.json").read_text())
