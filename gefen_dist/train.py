@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 
 from gefen_dist.corpus import get_batch, load_corpus
 from gefen_dist.model import GPT, GPTConfig
+from gefen_dist.schedule import warmup_cosine
 
 DEFAULTS: dict = dict(
     optimizer="adamw",
@@ -87,13 +87,7 @@ def lr_lambda(cfg: dict):
     """Linear warmup, then cosine decay to min_lr_frac * lr at the last step."""
     steps, warmup, floor = cfg["steps"], cfg["warmup"], cfg["min_lr_frac"]
 
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
+    return lambda step: warmup_cosine(step, steps, warmup, floor)
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:

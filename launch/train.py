@@ -61,7 +61,6 @@ import gc
 import hashlib
 import io
 import json
-import math
 import os
 import re
 import resource
@@ -81,6 +80,7 @@ from gefen_dist import Gefen
 from gefen_dist.collectives import comm_device
 from gefen_dist.corpus import get_batch, load_corpus
 from gefen_dist.model import GPT, Block, GPTConfig
+from gefen_dist.schedule import warmup_cosine
 
 DEFAULTS: dict = {
     "model": {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64},
@@ -379,12 +379,8 @@ def _deep_update(base: dict, new: dict) -> dict:
 
 def lr_factor(cfg: dict, step: int) -> float:
     """Linear warmup over ``warmup`` steps, then cosine decay to ``min_lr_frac`` at the end."""
-    o, steps = cfg["optimizer"], cfg["steps"]
-    warmup, floor = o["warmup"], o["min_lr_frac"]
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    o = cfg["optimizer"]
+    return warmup_cosine(step, cfg["steps"], o["warmup"], o["min_lr_frac"])
 
 
 def build_optimizer(cfg: dict, params) -> torch.optim.Optimizer:

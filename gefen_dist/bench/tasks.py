@@ -29,6 +29,7 @@ from torch import nn
 
 from gefen_dist.corpus import get_batch, load_corpus
 from gefen_dist.model import GPT, GPTConfig
+from gefen_dist.schedule import warmup_cosine
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -65,10 +66,7 @@ class Task:
 def lr_factor(step: int, h: Hyper) -> float:
     """Linear warmup, then cosine decay to ``min_lr_frac`` (the schedule of gefen_dist.train)."""
     warmup = max(1, int(h.warmup_frac * h.steps))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, h.steps - warmup))
-    return h.min_lr_frac + (1 - h.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+    return warmup_cosine(step, h.steps, warmup, h.min_lr_frac)
 
 
 # -- data -------------------------------------------------------------------------------------
