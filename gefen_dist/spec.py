@@ -1,0 +1,78 @@
+"""Gefen's update of one tensor, stated plainly: the spec the chunked reference is tested against.
+
+Unchunked, unbatched and slow on purpose: every formula of ``docs/method.md`` section 3 in the
+order it is written there, over a whole tensor (or one piece of it, ``start`` elements into a
+tensor of ``tensor_numel``), for a list of gradients from a zero state. ``reference.py`` does
+the same in bounded memory and ``tests/test_optimizer.py`` checks it against this; every backend
+is tested against ``reference.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import codes, reference
+
+
+def gefen(
+    p: torch.Tensor,
+    grads: list[torch.Tensor],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    wd: float,
+    block: int,
+    levels: torch.Tensor,
+    start: int = 0,
+    tensor_numel: int | None = None,
+) -> torch.Tensor:
+    """Per-block AdamW with v = (v of the block) x (the factor of the element's position across
+    blocks: its column of the tensor's (n / B, B) view, or its row for column blocks; relative to
+    the factors' mean, at least reference.CROSS_FLOOR; from the steps before this one, this
+    step's own on the first) when the tensor has at least
+    reference.MIN_CROSS_BLOCKS blocks, and an m stored as codebook level * absmax: the nearest
+    level at 8 bits; at 4 bits one of the two around it, the upper one when u * spacing <
+    distance above the lower, u = codes.uniforms(step, index in the tensor). A piece (``start``
+    > 0 or a tensor longer than it) estimates the factor from its own elements."""
+    n = p.numel()
+    total = start + n if tensor_numel is None else tensor_numel
+    width = abs(block)
+    if block < 0:  # columns: elements the same distance apart as a row's length share a block
+        ids, nb = (torch.arange(n) + start) % width, width
+        pos, npos = (torch.arange(n) + start) // width, -(-total // width)  # the tensor's rows
+        factored = width >= reference.MIN_CROSS_BLOCKS and npos > 1
+    else:
+        ids = (torch.arange(n) + start) // block
+        ids = ids - ids[0]
+        nb = int(ids[-1]) + 1
+        pos, npos = (torch.arange(n) + start) % block, block  # the position in a block
+        factored = -(-total // block) >= reference.MIN_CROSS_BLOCKS
+    m_q = torch.zeros(n)
+    v = torch.zeros(nb)
+    cross = torch.zeros(npos)
+    p = p.clone()
+    for t, g in enumerate(grads, 1):
+        m = betas[0] * m_q + (1 - betas[0]) * g
+        cnt = torch.zeros(nb).index_add_(0, ids, torch.ones(n))
+        v = betas[1] * v + (1 - betas[1]) * torch.zeros(nb).index_add_(0, ids, g * g) / cnt
+        per = torch.zeros(npos).index_add_(0, pos, torch.ones(n))
+        sq = torch.zeros(npos).index_add_(0, pos, g * g) / per.clamp(min=1)
+        before = cross  # c from the steps before this one, unless they left it all zero
+        cross = betas[1] * cross + (1 - betas[1]) * sq
+        c = (before / before.mean() if before.mean() > 0 else cross / cross.mean()).clamp(
+            min=reference.CROSS_FLOOR
+        )
+        v_elem = v[ids] * c[pos] if factored else v[ids]
+        p = p * (1 - lr * wd)
+        denom = (v_elem / (1 - betas[1] ** t)).sqrt() + eps
+        p = p - lr / (1 - betas[0] ** t) * m / denom
+        amax = torch.zeros(nb).scatter_reduce(0, ids, m.abs(), "amax")
+        scaled = m / torch.where(amax > 0, amax, 1.0)[ids]
+        if levels.numel() == 16:
+            u = codes.uniforms(t, torch.arange(n) + start)
+            k = (levels[None, 1:-1] <= scaled[:, None]).sum(dim=1)
+            code = k + (u * (levels[k + 1] - levels[k]) < scaled - levels[k]).long()
+        else:
+            code = (scaled[:, None] - levels[None, :]).abs().argmin(dim=1)
+        m_q = levels[code] * amax[ids]
+    return p
