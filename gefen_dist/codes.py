@@ -31,14 +31,18 @@ def quantize(x: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
 _M32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for x < 2^32 in int64, in two 16-bit halves so nothing overflows."""
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for x < 2^32, an int64 tensor or a Python int, in two 16-bit halves so
+    an int64 never overflows."""
     lo = x * (c & 0xFFFF)
     hi = ((x * (c >> 16)) & 0xFFFF) << 16
     return (lo + hi) & _M32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x):
+    """The 32-bit "lowbias32" finaliser of x < 2^32: the counter hash's one definition on the
+    Python side, for int64 tensors and plain ints alike (the kernels' copies are tested
+    against it)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -48,13 +52,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def step_key(step: int) -> int:
     """mix(step mod 2^32): the per-step half of ``uniforms``' hash, which kernels take as is.
-    Plain ints (a row of every segment table, every step): _mix32's arithmetic, no tensors."""
-    x = step & _M32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
+    Plain ints (a row of every segment table, every step), no tensors."""
+    return _mix32(step & _M32)
 
 
 def uniforms(step: int, index: torch.Tensor) -> torch.Tensor:
