@@ -73,7 +73,9 @@ def test_demo_gpt_on_triton_equals_the_cpp_kernel(bits):
         assert torch.equal(ot.state[a]["codebook"], oc.state[b]["codebook"])
     kinds = {int(r[3]) > 1 or int(r[3]) < 0 for st in ot.state.values() for r in st["layout"]}
     assert kinds == {True, False}, "the model must have blocked and B = 1 tensors"
-    moved = max(float((a - q).abs().max()) for a, q in zip(pc, model.parameters(), strict=True))
+    moved = max(
+        float((a - q).detach().abs().max()) for a, q in zip(pc, model.parameters(), strict=True)
+    )
     off = sum(int(((a - b).abs() > 1e-3 * moved).sum()) for a, b in zip(pt, pc, strict=True))
     total = sum(p.numel() for p in pt)
     assert off <= total // 1000, f"{off} of {total} parameters differ by > 1e-3 of a step"
