@@ -1,7 +1,7 @@
 """Ships the C++ CPU kernel's source inside the wheel, as ``gefen_dist/_csrc/``.
 
-Why a hook: the source lives in the top-level ``csrc/`` (the project's C++ directory, beside
-the CUDA sources, with its own README), outside the package, so a plain wheel left it behind
+Why a hook: the source lives in the top-level ``csrc/`` (the project's C++ directory, with its
+own README), outside the package, so a plain wheel left it behind
 and an installed Gefen fell back to numba. ``native_cpu`` builds the copy on first use; a
 checkout or an editable install reads ``csrc/`` itself, so nothing is copied there.
 Everything else is in ``pyproject.toml``.
@@ -14,8 +14,7 @@ from setuptools.command.build_py import build_py
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_SOURCES = ("gefen_cpu.cpp",)
-"""What ``native_cpu`` compiles: the one file, which includes only system headers. Not the CUDA
-sources."""
+"""What ``native_cpu`` compiles: the one file, which includes only system headers."""
 PACKAGED = Path("gefen_dist", "_csrc")
 
 
