@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gefen_dist import partition  # noqa: E402
 from gefen_dist.bench import tasks  # noqa: E402
+from gefen_dist.method import partition  # noqa: E402
 
 
 def within_blocks(x: torch.Tensor, block: int) -> float:

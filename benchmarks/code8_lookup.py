@@ -37,8 +37,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from step_speed import Feed, make_problem, save  # noqa: E402
 
-from gefen_dist import codebook, native_cpu  # noqa: E402
-from gefen_dist.codes import midpoints, quantize  # noqa: E402
+from gefen_dist.backends import native_cpu  # noqa: E402
+from gefen_dist.method import codebook  # noqa: E402
+from gefen_dist.method.codes import midpoints, quantize  # noqa: E402
 
 SOURCE = ROOT / "benchmarks" / "code8_lookup.cpp"
 WAYS = ("gathers", "search", "floor")

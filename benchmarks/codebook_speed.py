@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gefen_dist import codebook as cb  # noqa: E402
+from gefen_dist.method import codebook as cb  # noqa: E402
 
 
 def full_histogram(bins: int, seed: int = 0) -> torch.Tensor:

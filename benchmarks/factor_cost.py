@@ -31,7 +31,8 @@ def _shared(params: list[torch.nn.Parameter], bits: int):
     ``sharing_ablation._force_shared``, which is undone afterwards."""
     from sharing_ablation import _force_shared
 
-    from gefen_dist import Gefen, state
+    from gefen_dist import Gefen
+    from gefen_dist.method import state
 
     real = state.cross_length
     _force_shared()

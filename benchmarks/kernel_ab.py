@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from step_speed import Feed, make_params, make_problem, save  # noqa: E402
 
-from gefen_dist import Gefen, native_cpu  # noqa: E402
+from gefen_dist import Gefen  # noqa: E402
+from gefen_dist.backends import native_cpu  # noqa: E402
 
 
 def build(source: str, tmp: Path, name: str):

@@ -2,7 +2,7 @@
 
     python benchmarks/partition_gpt.py [--seeds 0 1 2] [--batch-size 16]
 
-Shows the evidence behind the rule in gefen_dist/partition.py: for every tensor the chosen B
+Shows the evidence behind the rule in gefen_dist/method/partition.py: for every tensor the chosen B
 (-P: columns of a P-element row), R(p) (normalised within-block heterogeneity) for contiguous
 candidates up to 4096 and R_col for the columns, per seed.
 """
@@ -13,9 +13,9 @@ import argparse
 
 import torch
 
-from gefen_dist import partition as pt
-from gefen_dist.corpus import get_batch, load_corpus
-from gefen_dist.model import GPT, GPTConfig
+from gefen_dist.demo.corpus import get_batch, load_corpus
+from gefen_dist.demo.model import GPT, GPTConfig
+from gefen_dist.method import partition as pt
 
 
 def main() -> None:

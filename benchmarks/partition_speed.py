@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from gefen_dist import partition
+from gefen_dist.method import partition
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _force_rounding(gopt, reference, rounding: str) -> None:
     """Run Gefen through the reference update, requantising m ``rounding``-wise at every width."""
-    from gefen_dist import codes
+    from gefen_dist.method import codes
 
     def requantize(x, first, step, levels, mids, bits):
         x = x.reshape(-1)
@@ -57,7 +57,7 @@ def _force_rounding(gopt, reference, rounding: str) -> None:
 def _force_shared() -> None:
     """Gefen with one v per block and no cross factor (the seeds' shared v): no segment keeps a
     ``v_cross``, so every backend divides by its block's v alone."""
-    from gefen_dist import state
+    from gefen_dist.method import state
 
     state.cross_length = lambda block_size, tensor_numel: 0
 
@@ -67,7 +67,7 @@ def _force_current(gopt) -> None:
     reference update."""
     import torch
 
-    from gefen_dist import reference
+    from gefen_dist.backends import reference
 
     def current(st, h, mean_sq):
         st.v_cross.mul_(h.beta2).add_(mean_sq, alpha=1.0 - h.beta2)
@@ -84,8 +84,9 @@ def _child(
 ) -> None:
     sys.path.insert(0, str(ROOT))
     from gefen_dist import optimizer as gopt
-    from gefen_dist import partition, reference
+    from gefen_dist.backends import reference
     from gefen_dist.bench import suite, tasks
+    from gefen_dist.method import partition
 
     if rounding != "as-built":
         _force_rounding(gopt, reference, rounding)

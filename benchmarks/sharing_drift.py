@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gefen_dist import Gefen  # noqa: E402
 from gefen_dist.bench import tasks  # noqa: E402
-from gefen_dist.codes import midpoints, quantize  # noqa: E402
+from gefen_dist.method.codes import midpoints, quantize  # noqa: E402
 
 
 def blocks(x: torch.Tensor, b: int) -> torch.Tensor:

@@ -70,8 +70,8 @@ def make_problem(
     """The set's parameters and ``sets`` gradients for them (``.grad`` a copy of the first)."""
     torch.manual_seed(0)
     if which == "gpt":
-        from gefen_dist.corpus import get_batch, load_corpus
-        from gefen_dist.model import GPT, GPTConfig
+        from gefen_dist.demo.corpus import get_batch, load_corpus
+        from gefen_dist.demo.model import GPT, GPTConfig
 
         model = GPT(GPTConfig())
         train, _ = load_corpus(2**20)

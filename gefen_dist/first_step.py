@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import codebook as cb
-from . import collectives, partition, sharding, state
-from .reference import CHUNK
-from .segments import Segment, block_chunks, block_runs, column_chunks
+from .backends.reference import CHUNK
+from .distributed import collectives, sharding
+from .method import codebook as cb
+from .method import partition, state
+from .method.segments import Segment, block_chunks, block_runs, column_chunks
 
 if TYPE_CHECKING:
     from .optimizer import Gefen

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import dispatch, native_cpu, sharding, state
+from .backends import dispatch, native_cpu
+from .distributed import sharding
+from .method import state
 
 if TYPE_CHECKING:
     from .optimizer import Gefen

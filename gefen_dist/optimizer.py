@@ -23,21 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from . import (
-    collectives,
-    dispatch,
-    first_step,
-    memory_report,
-    native_cpu,
-    sharding,
-    state,
-    triton_backend,
-    validation,
-)
-from .codes import midpoints
-from .cpu_plan import CpuPlan
-from .reference import (
-    Hyper,
+from . import first_step, memory_report, validation
+from .backends import dispatch, native_cpu, triton_backend
+from .backends.cpu_plan import CpuPlan
+from .backends.reference import (
     block_update,
     column_update,
     cross_factor,
@@ -45,12 +34,11 @@ from .reference import (
     cross_sums,
     dense_update,
 )
-from .segments import Segment
-
-try:
-    from . import cpu_kernel
-except ImportError:  # numba missing or broken: the C++ kernel or the reference serves
-    cpu_kernel = None
+from .distributed import collectives, sharding
+from .method import state
+from .method.codes import midpoints
+from .method.hyper import Hyper
+from .method.segments import Segment
 
 BACKENDS = dispatch.BACKENDS
 
@@ -276,10 +264,7 @@ class Gefen(Optimizer):
             elif seg.block_size == 1:
                 dense_update(ps, gs, seg, h)
             elif seg.block_size < 0:
-                update = cpu_kernel.column_update if impl == "numba" else column_update
-                update(ps, gs, seg, h, levels, mids, bits, f)
-            elif impl == "numba":
-                cpu_kernel.block_update(ps, gs, seg, h, levels, mids, bits, f)
+                column_update(ps, gs, seg, h, levels, mids, bits, f)
             else:
                 block_update(ps, gs, seg, h, levels, mids, bits, f)
         cpu_table = native_cpu.step(cpu_work)
@@ -343,8 +328,8 @@ class Gefen(Optimizer):
     @property
     def backend(self) -> str:
         """Which update runs: 'auto' (the native kernels: C++ on CPU tensors, Triton on CUDA
-        ones; numba on CPU where no C++ compiler is found; the reference where nothing native
-        serves), 'native', 'triton', 'numba' or 'reference' (the readable spec); ``dispatch``
+        ones; the reference where neither serves), 'native', 'triton' or 'reference' (the
+        update in bounded memory, ``backends.reference``); ``backends.dispatch``
         has the rule. ``memory_report()['backend']`` says what actually ran. Settable, e.g.
         ``opt.backend = "reference"``."""
         return self._backend
@@ -353,13 +338,11 @@ class Gefen(Optimizer):
     def backend(self, name: str) -> None:
         if name not in BACKENDS:
             raise ValueError(f"Invalid backend: {name!r} ({', '.join(BACKENDS)})")
-        if name == "numba" and cpu_kernel is None:
-            raise ValueError("backend='numba' needs numba, which failed to import")
         self._backend = name
         self._plan = None
 
     def _impl(self, p: torch.Tensor, g: torch.Tensor) -> str:
-        """'cpu' (C++), 'triton', 'numba' or 'reference' for a parameter and its gradient;
+        """'cpu' (C++), 'triton' or 'reference' for a parameter and its gradient;
         only the kernels that could serve this device are loaded (a GPU run builds no C++)."""
         b, dev = self._backend, p.device.type
         if b == "reference":
@@ -376,7 +359,6 @@ class Gefen(Optimizer):
             triton_supports=tri,
             triton_available=tri_ok,
             triton_why=triton_backend.build_error(p.device) if tri and not tri_ok else None,
-            numba_supports=cpu_kernel is not None and cpu_kernel.supports(p, g),
         )
         try:
             choice = dispatch.choose(b, facts)
@@ -609,16 +591,17 @@ class Gefen(Optimizer):
         if getattr(p, "_is_flat_param", False):
             raise ValueError(
                 f"{self._name(p)} is an FSDP flat parameter (use_orig_params=False) whose "
-                "layout Gefen was not told: call gefen_dist.fsdp.configure(model, optimizer) "
-                "after building the optimizer"
+                "layout Gefen was not told: call "
+                "gefen_dist.integrations.fsdp.configure(model, optimizer) after building the "
+                "optimizer"
             )
         if getattr(p, "_fsdp_flattened", False):
             raise ValueError(
                 f"{self._name(p)} is a piece of an FSDP1 parameter (use_orig_params=True) "
                 "whose place in the original tensor Gefen was not told: call "
-                "gefen_dist.fsdp.configure(model, optimizer) after building the optimizer "
-                "(without it each rank would block its 1-D piece as a tensor of its own, with "
-                "several times the state)"
+                "gefen_dist.integrations.fsdp.configure(model, optimizer) after building the "
+                "optimizer (without it each rank would block its 1-D piece as a tensor of its "
+                "own, with several times the state)"
             )
         gi, i = self._index(p)
         return sharding.segments_of(p, key=f"param {gi}.{i}", name=self._name(p))

@@ -60,9 +60,11 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gefen_dist import Gefen, Segment, state, triton_backend  # noqa: E402
-from gefen_dist import codebook as cb  # noqa: E402
-from gefen_dist.codes import unpack4  # noqa: E402
+from gefen_dist import Gefen, Segment  # noqa: E402
+from gefen_dist.backends import triton_backend  # noqa: E402
+from gefen_dist.method import codebook as cb  # noqa: E402
+from gefen_dist.method import state  # noqa: E402
+from gefen_dist.method.codes import unpack4  # noqa: E402
 
 GOAL_RATIO = 0.6  # Gefen 4-bit's step at most this times fused AdamW's, on the 1B set
 GOAL_COPY = 0.70  # and at least this share of the device's copy bandwidth
@@ -197,8 +199,8 @@ def check_optimizer(device, steps: int = 3, small: bool = False) -> dict:
     off by more than 10^-3 of the largest step), and a state_dict saved on the device must load
     into a fresh optimizer and step as the original does. The per-kernel checks above start
     from state set by hand, so they never ran this path."""
-    from gefen_dist.corpus import get_batch, load_corpus
-    from gefen_dist.model import GPT, GPTConfig
+    from gefen_dist.demo.corpus import get_batch, load_corpus
+    from gefen_dist.demo.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     d = 64 if small else 128  # the interpreter's model is narrower, the same in kind

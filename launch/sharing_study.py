@@ -1,6 +1,6 @@
 """Paired-seed study: validation loss of Gefen variants relative to AdamW on the stdlib GPT.
 
-Every (config, seed) is its own `python -m gefen_dist.train` subprocess with one thread, so
+Every (config, seed) is its own `python -m gefen_dist.demo.train` subprocess with one thread, so
 runs neither share state nor fight over cores. Results go to a JSON-lines store, one record
 per run; a run already stored for the same config, seed and git revision is skipped, so an
 interrupted study resumes where it stopped. The summary pairs each Gefen run with the AdamW
@@ -65,7 +65,7 @@ def load_store(path: Path) -> list[dict]:
 
 
 def cli_args(config: dict, seed: int, json_path: str) -> list[str]:
-    """Turn a train config dict into `python -m gefen_dist.train` flags."""
+    """Turn a train config dict into `python -m gefen_dist.demo.train` flags."""
     args = ["--seed", str(seed), "--threads", "1", "--quiet", "--json", json_path]
     for k, v in config.items():
         if k == "gefen_kwargs":
@@ -81,7 +81,7 @@ def run_one(name: str, config: dict, seed: int) -> dict | None:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "gefen_dist.train", *cli_args(config, seed, out)]
+        cmd = [sys.executable, "-m", "gefen_dist.demo.train", *cli_args(config, seed, out)]
         t0 = time.time()
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if p.returncode != 0 or not os.path.exists(out):

@@ -77,9 +77,10 @@ import torch.distributed as dist
 import yaml
 
 from gefen_dist import Gefen
-from gefen_dist.collectives import comm_device
-from gefen_dist.corpus import get_batch, load_corpus
-from gefen_dist.model import GPT, Block, GPTConfig
+from gefen_dist.demo import loop
+from gefen_dist.demo.corpus import get_batch, load_corpus
+from gefen_dist.demo.model import GPT, Block, GPTConfig
+from gefen_dist.distributed.collectives import comm_device
 from gefen_dist.schedule import warmup_cosine
 
 DEFAULTS: dict = {
@@ -440,7 +441,7 @@ def setup(cfg: dict, model: torch.nn.Module, device: torch.device):
     if mode == "deepspeed":
         import deepspeed
 
-        import gefen_dist.deepspeed  # noqa: F401  registers Gefen with ZeRO, maps its partitions
+        import gefen_dist.integrations.deepspeed  # noqa: F401  registers Gefen with ZeRO, maps its partitions
 
         deepspeed.init_distributed(dist_backend=backend)
         ds_config = {
@@ -455,7 +456,7 @@ def setup(cfg: dict, model: torch.nn.Module, device: torch.device):
         from accelerate import Accelerator
         from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-        import gefen_dist.fsdp
+        import gefen_dist.integrations.fsdp
 
         # cpu=True would make Accelerate drop DeepSpeed for plain data parallel; without a GPU
         # its DeepSpeed path finds no backend unless told gloo, and calls every rank 0 of 1.
@@ -471,7 +472,7 @@ def setup(cfg: dict, model: torch.nn.Module, device: torch.device):
             model, opt = accelerator.prepare(model, opt)
         fsdp1 = accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
         if fsdp1 and isinstance(opt.optimizer, Gefen):
-            gefen_dist.fsdp.configure(model, opt.optimizer)
+            gefen_dist.integrations.fsdp.configure(model, opt.optimizer)
         return model, opt, None, accelerator
     dist.init_process_group(backend)
     model.to(device)
@@ -483,12 +484,12 @@ def setup(cfg: dict, model: torch.nn.Module, device: torch.device):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        import gefen_dist.fsdp
+        import gefen_dist.integrations.fsdp
 
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device)
         opt = build_optimizer(cfg, model.parameters())
         if isinstance(opt, Gefen):
-            gefen_dist.fsdp.configure(model, opt)  # flat shards -> original tensors
+            gefen_dist.integrations.fsdp.configure(model, opt)  # flat shards -> original tensors
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -798,6 +799,72 @@ def _mean(value: float) -> float:
     return t.item() / dist.get_world_size()
 
 
+def run_steps(
+    cfg: dict,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    engine: object | None,
+    accelerator: object | None,
+    killer: Chaos,
+    data: tuple,
+    first: int,
+    trace: loop.Trace | None,
+    progress: bool,
+) -> loop.Trace:
+    """Steps ``first + 1 .. steps`` through the shared loop (``gefen_dist.demo.loop``), with
+    this script's checkpoints and progress bar after each; ``data`` is (training tokens,
+    validation batches, the batch generator, the device, the groups' base lr). A function of its
+    own so that the model and optimizer it closes over are released when it returns
+    (``train``'s teardown)."""
+    train_data, val, gen, device, base_lr = data
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bs, T = cfg["data"]["batch_size"], cfg["model"]["block_size"]
+    ck = cfg["checkpoint"]
+    save_at = (ck["save_at"] or cfg["steps"]) if ck["dir"] else None
+    every = ck["every"] if ck["dir"] else 0
+    t_start = time.perf_counter()
+
+    def step(s: int) -> float:
+        killer.step = s
+        for g, lr in zip(opt.param_groups, base_lr, strict=True):
+            g["lr"] = lr * lr_factor(cfg, s - 1)
+        x, y = (t.to(device) for t in get_batch(train_data, bs, T, gen))
+        killer.in_forward = True
+        loss = model(x, y)[1]
+        killer.in_forward = False
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            opt.zero_grad(set_to_none=True)
+            accelerator.backward(loss) if accelerator is not None else loss.backward()
+            clip(cfg, model, accelerator)
+            opt.step()
+        return loss.item()
+
+    def after(s: int, trace: loop.Trace) -> None:
+        if s == save_at or (every and s % every == 0):
+            trainer = dict(step=s, data_rng=gen.get_state(), window=trace.window,
+                           curve=trace.curve, config=cfg, world_size=world)  # fmt: skip
+            save_checkpoint(cfg, Path(ck["dir"]), s, model, opt, engine, accelerator,
+                            trainer, killer)  # fmt: skip
+        if rank == 0 and progress:
+            last = trace.window[-1] if trace.window else trace.curve[-1]["train_loss"]
+            _bar(s - first, cfg["steps"] - first, last, t_start)
+
+    trace = loop.train(
+        step,
+        cfg["steps"],
+        lambda: dict(val_loss=_mean(evaluate(model, val))),
+        lambda s: s % cfg["eval_every"] == 0 or s == cfg["steps"],
+        trace=trace,
+        first=first,
+        after=after,
+        mean=lambda w: _mean(sum(w) / len(w)),
+    )
+    return trace
+
+
 def train(
     cfg: dict,
     out: str | None = None,
@@ -830,12 +897,10 @@ def train(
         for _ in range(d["val_batches"])
     ]
     gen = torch.Generator().manual_seed(1000 * cfg["seed"] + rank)
-    base_lr = [g["lr"] for g in opt.param_groups]
+    base_lr = [g["lr"] for g in opt.param_groups]  # the schedule's base, before a resume's
     ck = cfg["checkpoint"]
-    save_at = (ck["save_at"] or cfg["steps"]) if ck["dir"] else None
-    every = ck["every"] if ck["dir"] else 0
     first = 0
-    window: list[float] = []
+    trace = None
     if ck["dir"] and rank == 0:
         gone = remove_torn(Path(ck["dir"]))
         if gone:
@@ -845,46 +910,27 @@ def train(
         if src is None:  # checked in main(); here for a caller of train() itself
             raise ConfigError(f"checkpoint.resume {ck['resume']!r}: no complete checkpoint")
         trainer = load_checkpoint(cfg, src, model, opt, engine, accelerator, device)
-        first, window, curve = trainer["step"], trainer["window"], trainer["curve"]
+        first = trainer["step"]
+        trace = loop.Trace(curve=trainer["curve"], window=trainer["window"])
         gen.set_state(trainer["data_rng"])
         if rank == 0:
             print(f"resuming at step {first} from {src}", flush=True)
-    else:
-        curve = [dict(step=0, train_loss=None, val_loss=_mean(evaluate(model, val)))]
-    times: list[float] = []
+
     t_start = time.perf_counter()
-    for step in range(first + 1, cfg["steps"] + 1):
-        killer.step = step
-        t0 = time.perf_counter()
-        for g, lr in zip(opt.param_groups, base_lr, strict=True):
-            g["lr"] = lr * lr_factor(cfg, step - 1)
-        x, y = (t.to(device) for t in get_batch(train_data, bs, T, gen))
-        killer.in_forward = True
-        loss = model(x, y)[1]
-        killer.in_forward = False
-        if engine is not None:
-            engine.backward(loss)
-            engine.step()
-        else:
-            opt.zero_grad(set_to_none=True)
-            accelerator.backward(loss) if accelerator is not None else loss.backward()
-            clip(cfg, model, accelerator)
-            opt.step()
-        window.append(loss.item())
-        times.append(time.perf_counter() - t0)
-        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
-            tl = _mean(sum(window) / len(window))
-            curve.append(dict(step=step, train_loss=tl, val_loss=_mean(evaluate(model, val))))
-            window = []
-        if step == save_at or (every and step % every == 0):
-            trainer = dict(step=step, data_rng=gen.get_state(), window=window, curve=curve,
-                           config=cfg, world_size=world)  # fmt: skip
-            save_checkpoint(cfg, Path(ck["dir"]), step, model, opt, engine, accelerator,
-                            trainer, killer)  # fmt: skip
-        if rank == 0 and progress:
-            _bar(step - first, cfg["steps"] - first,
-                 window[-1] if window else curve[-1]["train_loss"], t_start)  # fmt: skip
+    trace = run_steps(
+        cfg,
+        model,
+        opt,
+        engine,
+        accelerator,
+        killer,
+        (train_data, val, gen, device, base_lr),
+        first,
+        trace,
+        progress,
+    )
     wall = time.perf_counter() - t_start
+    curve, times = trace.curve, [ms / 1000 for ms in trace.step_ms]
     ran = what_ran(cfg, opt, engine, accelerator, device)
     held, n = state_bytes(opt)
     mine = torch.tensor(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gefen_dist import Gefen
-from gefen_dist.model import GPT, GPTConfig
+from gefen_dist.demo.model import GPT, GPTConfig
 
 torch.set_num_threads(1)
 
@@ -32,7 +32,7 @@ RESUME = textwrap.dedent(
     import sys, torch
     torch.set_num_threads(1)
     from gefen_dist import Gefen
-    from gefen_dist.model import GPT, GPTConfig
+    from gefen_dist.demo.model import GPT, GPTConfig
     sys.path.insert(0, {tests!r})
     from test_checkpoint import TINY, _train
     mode, path, bits = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -208,7 +208,7 @@ def test_a_loaded_state_shares_one_codebook_and_keeps_a_foreign_one(tmp_path):
     assert torch.equal(next(iter(opt2.state.values()))["codebook"], first)
     # levels that differ from the others' (not written by Gefen) stay that tensor's own
     foreign = sd["state"][1]["codebook"].clone()
-    foreign[1:-1] *= 0.5  # its ends stay at -1 and +1 (gefen_dist.load_check)
+    foreign[1:-1] *= 0.5  # its ends stay at -1 and +1 (gefen_dist.method.load_check)
     sd["state"][1]["codebook"] = foreign
     opt3 = Gefen(GPT(TINY).parameters(), lr=3e-3)
     opt3.load_state_dict(sd)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from gefen_dist import codebook as cb
+from gefen_dist.method import codebook as cb
 
 torch.set_num_threads(1)
 

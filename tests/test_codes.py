@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from gefen_dist import codes
-from gefen_dist.codebook import uniform_levels
+from gefen_dist.method import codes
+from gefen_dist.method.codebook import uniform_levels
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 8, 1001])

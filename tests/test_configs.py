@@ -6,8 +6,8 @@ keys), the launcher's environment, and the plugin built from that environment
 (``FullyShardedDataParallelPlugin`` checks every FSDP value, ``DeepSpeedPlugin`` reads the JSON).
 DeepSpeed JSONs go through ``DeepSpeedConfig`` (pydantic: unknown ``zero_optimization`` keys fail),
 with "auto" values filled as Accelerate and the Trainer fill them, and their Gefen params through
-``gefen_dist.deepspeed.from_config``. configs/run/ holds launch/train.py's run configs, checked
-by that script's tests.
+``gefen_dist.integrations.deepspeed.from_config``. configs/run/ holds launch/train.py's run
+configs, checked by that script's tests.
 """
 
 import json
@@ -52,7 +52,7 @@ def test_deepspeed_json(path):
     import torch
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    import gefen_dist.deepspeed as gd
+    import gefen_dist.integrations.deepspeed as gd
 
     raw = json.loads(path.read_text())
     assert "zero_allow_untested_optimizer" not in raw

@@ -1,4 +1,4 @@
-"""The CPU backends (C++ and numba) against the reference update, step by step from identical
+"""The C++ CPU kernel against the reference update, step by step from identical
 state; and what the C++ kernel must get exactly right on its own."""
 
 import os
@@ -9,9 +9,10 @@ import sys
 import pytest
 import torch
 
-from gefen_dist import Gefen, Segment, state
-from gefen_dist import codebook as cb
-from gefen_dist.codes import midpoints, unpack4
+from gefen_dist import Gefen, Segment
+from gefen_dist.method import codebook as cb
+from gefen_dist.method import state
+from gefen_dist.method.codes import midpoints, unpack4
 
 torch.set_num_threads(1)
 
@@ -43,20 +44,19 @@ def _grad(numel, start, row, seed):
     return rows[idx] * torch.randn(numel, generator=g)
 
 
-@pytest.mark.parametrize("backend", ["native", "numba"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
     "start,numel,shape",
     [(0, 96 * 200, (200, 96)), (37, 4001, (90, 96)), (1, 5 * 96, (6, 96)), (0, 97 * 60, (60, 97))],
 )
-def test_cpu_step_matches_reference(backend, bits, start, numel, shape):
-    (pr, pn), (orf, onb) = _pair(bits, start, numel, shape, backend)
+def test_cpu_step_matches_reference(bits, start, numel, shape):
+    (pr, pn), (orf, onb) = _pair(bits, start, numel, shape, "native")
     row = shape[1]
     grads = [_grad(numel, start, row, 10 + t) for t in range(5)]
     for sr, sn in _steps_from_reference_state((pr, pn), (orf, onb), grads):
         assert int(sr["layout"][0, 3]) == row and int(sn["layout"][0, 3]) == row
         _assert_step_close(pr, pn, sr, sn, bits, numel, absmax_atol=0.0)
-    assert onb.memory_report()["backend"] == {"native": "native-cpu"}.get(backend, backend)
+    assert onb.memory_report()["backend"] == "native-cpu"
     assert orf.memory_report()["backend"] == "reference"
 
 
@@ -78,7 +78,7 @@ def _steps_from_reference_state(ps, opts, grads):
 def _assert_step_close(pr, pn, sr, sn, bits, numel, absmax_atol):
     # v: fp64 vs fp32 accumulation of the block mean of g^2
     torch.testing.assert_close(sn["v"], sr["v"], rtol=2e-6, atol=0)
-    # v_cross: the C++ pass sums in its own order (numba's is the reference's own code)
+    # v_cross: the C++ pass sums in its own order
     torch.testing.assert_close(sn["v_cross"], sr["v_cross"], rtol=1e-6, atol=0)
     torch.testing.assert_close(sn["absmax"], sr["absmax"], rtol=1e-6, atol=absmax_atol)
     torch.testing.assert_close(pn.detach(), pr.detach(), rtol=1e-6, atol=1e-7)
@@ -102,17 +102,15 @@ def _col_grad(numel, start, row, seed, row_scale=False):
     return x
 
 
-@pytest.mark.parametrize("backend", ["native", "numba"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
     "start,numel,shape",
     [(0, 96 * 200, (200, 96)), (37, 4001, (90, 96)), (5, 50, (60, 97)), (3, 97 * 59, (60, 97))],
 )
-def test_column_step_matches_reference(backend, bits, start, numel, shape):
-    """Column segments (C++ under 'native', numba under 'numba'); pieces start and end
-    mid-row."""
+def test_column_step_matches_reference(bits, start, numel, shape):
+    """Column segments; pieces start and end mid-row."""
     row = shape[1]
-    (pr, pn), (orf, onb) = _pair(bits, start, numel, shape, backend, block=-row)
+    (pr, pn), (orf, onb) = _pair(bits, start, numel, shape, "native", block=-row)
     grads = [_col_grad(numel, start, row, 10 + t, row_scale=True) for t in range(5)]
     for sr, sn in _steps_from_reference_state((pr, pn), (orf, onb), grads):
         assert sr["v"].numel() == min(numel, row)
@@ -120,7 +118,7 @@ def test_column_step_matches_reference(backend, bits, start, numel, shape):
         # m + w (g - m) cancels, torch's vectorised lerp and the scalar one differ by an ulp of
         # the operands (~4e-9 here), far more than an ulp of the small result
         _assert_step_close(pr, pn, sr, sn, bits, numel, absmax_atol=1e-8)
-    assert onb.memory_report()["backend"] == {"native": "native-cpu"}.get(backend, backend)
+    assert onb.memory_report()["backend"] == "native-cpu"
 
 
 def test_backend_is_validated():
@@ -310,7 +308,7 @@ def test_narrower_vector_paths_pass_the_kernel_tests_too(isa):
     """The library is built for the widest vector path the CPU has, so on an AVX-512 machine
     the AVX2 loops (and the scalar ones everywhere) would never run in CI. Build each on
     purpose and run this file's C++ checks against it: same reference, same bounds."""
-    from gefen_dist import native_cpu
+    from gefen_dist.backends import native_cpu
 
     if os.environ.get("GEFEN_CPU_FLAGS"):
         pytest.skip("this run is already a narrowed build")
@@ -319,7 +317,7 @@ def test_narrower_vector_paths_pass_the_kernel_tests_too(isa):
     if native_cpu.isa() == isa:
         pytest.skip(f"{isa} is this machine's own build: the main run covers it")
     env = dict(os.environ, GEFEN_CPU_FLAGS=NARROWER[isa])
-    probe = "from gefen_dist import native_cpu; print(native_cpu.isa())"
+    probe = "from gefen_dist.backends import native_cpu; print(native_cpu.isa())"
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert r.stdout.strip() == isa, r.stderr[-2000:]
     r = subprocess.run(
@@ -345,7 +343,8 @@ def test_narrower_vector_paths_pass_the_kernel_tests_too(isa):
 def test_missing_compiler_falls_back_with_a_warning(tmp_path):
     code = (
         "import warnings, torch\n"
-        "from gefen_dist import Gefen, native_cpu\n"
+        "from gefen_dist import Gefen\n"
+        "from gefen_dist.backends import native_cpu\n"
         "assert not native_cpu.available() and 'failed' in native_cpu.build_error()\n"
         "p = torch.randn(64, 128, requires_grad=True)\n"
         "o = Gefen([p]); p.grad = torch.randn(64, 128)\n"
@@ -357,7 +356,7 @@ def test_missing_compiler_falls_back_with_a_warning(tmp_path):
     env = dict(os.environ, CXX="false", GEFEN_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "numba"
+    assert r.stdout.strip() == "reference"
     o = Gefen([torch.zeros(3, requires_grad=True)])
     o.backend = "native"  # where the kernel builds, asking for it explicitly works
     o.param_groups[0]["params"][0].grad = torch.ones(3)
@@ -379,7 +378,7 @@ def test_missing_compiler_falls_back_with_a_warning(tmp_path):
 def test_native_cross_sums_match_reference(dtype, start, numel, block, length):
     """The C++ pass that gathers v_cross's sums, against the reference's, in fp64: equal up to
     summation order; and the same bits on one thread as on two."""
-    from gefen_dist import native_cpu, reference
+    from gefen_dist.backends import native_cpu, reference
 
     g = (torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
     want = reference.cross_sums(g, start, block, length)
@@ -401,7 +400,7 @@ def test_native_row_sums_do_not_depend_on_the_rows_beside_them(dtype, width):
     """Column segments' v_cross sums run over tensor rows, several rows to a loop where the vector
     path allows: each row's sum is the same bits whichever rows a piece groups it with (pieces
     starting 0 to 4 rows in), so a tensor cut differently over ranks gets the same v_cross."""
-    from gefen_dist import native_cpu
+    from gefen_dist.backends import native_cpu
 
     rows = 23
     g = (torch.randn(rows * width, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)
@@ -421,8 +420,8 @@ def test_native_cross_sums_fold_each_blocks_mean_square_into_v(dtype, start, num
     """Told v, the pass that gathers v_cross's sums also steps each block's v (the kernel then
     skips its own first pass over g): v * beta2 + (1 - beta2) * mean g^2 over the block's part
     in the piece, the same bits on one thread as on two, and the sums unchanged."""
-    from gefen_dist import native_cpu, reference
-    from gefen_dist.segments import block_runs, num_blocks
+    from gefen_dist.backends import native_cpu, reference
+    from gefen_dist.method.segments import block_runs, num_blocks
 
     g = (torch.randn(numel, generator=torch.Generator().manual_seed(4)) * 2).to(dtype)
     h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=3)
@@ -470,7 +469,7 @@ def test_native_block_sums_add_sixteen_lanes_in_order(threads):
     mean of 0.5 + 2^-25 (an fp32 tie, rounding to 0.5) made of 16 + 2^-20 in two lanes and four
     2^-50 in others, which vanish when added after the 16 and make 2^-48 (enough to round the
     mean up) when added first."""
-    from gefen_dist import native_cpu, reference
+    from gefen_dist.backends import native_cpu, reference
 
     if native_cpu.isa() not in ("avx512", "avx512vbmi"):
         pytest.skip(f"the hand-written row loop is AVX-512's; this build is {native_cpu.isa()}")
@@ -508,7 +507,7 @@ def test_native_block_sums_add_sixteen_lanes_in_order(threads):
 def test_native_step_names_the_segment_it_refuses_and_writes_nothing():
     """A row the kernel refuses (here 6-bit codes) is reported as that row of the flat table,
     not its neighbour's, and no segment of the call moves."""
-    from gefen_dist import native_cpu, reference
+    from gefen_dist.backends import native_cpu, reference
 
     h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
     levels = torch.linspace(-1, 1, 16)
@@ -528,7 +527,7 @@ def test_native_step_names_the_segment_it_refuses_and_writes_nothing():
 
 
 def _cross_segment(numel, start, block, dtype, seed, fold):
-    from gefen_dist import reference
+    from gefen_dist.backends import reference
 
     g = (torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
     length = block if block > 0 else -(-(start + numel) // -block)
@@ -549,7 +548,7 @@ def test_native_cross_table_equals_the_per_segment_calls(threads):
     block v, and for tensors held whole the folded v_cross and factor, for the others the sums
     and counts: whether a segment runs on one thread among others or, holding most of the
     elements, on all."""
-    from gefen_dist import native_cpu, reference
+    from gefen_dist.backends import native_cpu, reference
 
     h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=4)
     specs = [  # numel, start, block, dtype, whole; the first holds over half the elements
@@ -584,7 +583,7 @@ def test_native_cross_table_equals_the_per_segment_calls(threads):
 
 
 def test_native_cross_table_refuses_a_b1_segment_and_writes_nothing():
-    from gefen_dist import native_cpu, reference
+    from gefen_dist.backends import native_cpu, reference
 
     h = reference.Hyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=2)
     g, st = _cross_segment(960, 0, 96, torch.float32, 0, True)
@@ -597,7 +596,7 @@ def test_native_cross_table_refuses_a_b1_segment_and_writes_nothing():
 
 def _factored(numel, block, bits):
     """A segment holding its whole tensor, with v_cross still zero (a first step)."""
-    from gefen_dist import reference
+    from gefen_dist.backends import reference
 
     blocks = -(-numel // abs(block)) if block > 0 else abs(block)
     codes = torch.zeros(-(-numel // 2) if bits == 4 else numel, dtype=torch.uint8)
@@ -608,12 +607,12 @@ def _factored(numel, block, bits):
         codes=codes,
         absmax=torch.zeros(blocks),
         v=torch.zeros(blocks),
-        v_cross=torch.zeros(reference.cross_length(block, numel)),
+        v_cross=torch.zeros(state.cross_length(block, numel)),
     )
 
 
 def _clone_state(st):
-    from gefen_dist import reference
+    from gefen_dist.backends import reference
 
     return reference.SegmentState(
         st.start,
@@ -645,7 +644,7 @@ def test_the_step_takes_a_whole_tensors_factor_pass_in_its_update(
     g (contiguous blocks) and gives, bit for bit, what the separate pass gives: parameters,
     codes, absmax, v, v_cross over four steps, the first from a zero v_cross (the factor from
     that step's own sums), whatever the thread count."""
-    from gefen_dist import native_cpu, reference
+    from gefen_dist.backends import native_cpu, reference
 
     levels = torch.sort(torch.cat([torch.tensor([-1.0, 1.0]), torch.rand(2**bits - 2) * 2 - 1]))[0]
     mids = midpoints(levels)
@@ -682,7 +681,7 @@ def test_the_step_takes_a_whole_column_tensors_row_sums_in_its_first_pass(bits):
     of their own, so against the separate pass they agree to fp64 rounding in v_cross, and the
     factor (from the step before) to an ulp; over four steps the parameters stay within the
     reference's tolerance."""
-    from gefen_dist import native_cpu, reference
+    from gefen_dist.backends import native_cpu, reference
 
     levels = torch.sort(torch.cat([torch.tensor([-1.0, 1.0]), torch.rand(2**bits - 2) * 2 - 1]))[0]
     mids = midpoints(levels)
@@ -709,7 +708,7 @@ def test_the_step_takes_a_whole_column_tensors_row_sums_in_its_first_pass(bits):
 def test_a_refused_fused_row_writes_nothing():
     """A row asking the kernel for its factor pass that it cannot take (a piece starting
     inside its tensor) is refused before any v_cross, factor or parameter moves."""
-    from gefen_dist import native_cpu, reference
+    from gefen_dist.backends import native_cpu, reference
 
     levels = torch.linspace(-1, 1, 16)
     mids = midpoints(levels)

@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 
-from gefen_dist import Gefen, native_cpu
-from gefen_dist.cpu_plan import CpuPlan
+from gefen_dist import Gefen
+from gefen_dist.backends import native_cpu
+from gefen_dist.backends.cpu_plan import CpuPlan
 
 pytestmark = pytest.mark.skipif(not native_cpu.available(), reason="no C++ compiler")
 torch.set_num_threads(1)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from gefen_dist import Gefen, state
+from gefen_dist import Gefen
+from gefen_dist.method import state
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Which update Gefen picks (gefen_dist.dispatch): the rule for devices CI does not have."""
+"""Which update Gefen picks (backends.dispatch): the rule for devices CI does not have."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gefen_dist.dispatch import BACKENDS, Choice, Facts, choose
+from gefen_dist.backends.dispatch import BACKENDS, Choice, Facts, choose
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,12 +15,8 @@ CUDA = Facts(device="cuda", triton_supports=True, triton_available=True)
 CUDA_NO_TRITON = Facts(
     device="cuda", triton_supports=True, triton_available=False, triton_why="no module triton"
 )
-CPU = Facts(
-    device="cpu", cpp_supports=True, cpp_available=True, triton_supports=False, numba_supports=True
-)
-CPU_NO_CXX = Facts(
-    device="cpu", cpp_supports=True, cpp_available=False, cpp_why="no c++", numba_supports=True
-)
+CPU = Facts(device="cpu", cpp_supports=True, cpp_available=True, triton_supports=False)
+CPU_NO_CXX = Facts(device="cpu", cpp_supports=True, cpp_available=False, cpp_why="no c++")
 
 
 @pytest.mark.parametrize("backend", ["auto", "native", "triton"])
@@ -36,12 +32,13 @@ def test_cuda_without_triton_falls_back_to_the_reference_saying_why():
         choose("triton", CUDA_NO_TRITON)
 
 
-def test_cpu_tensors_take_the_cpp_kernel_then_numba():
+def test_cpu_tensors_take_the_cpp_kernel_then_the_reference():
     assert choose("auto", CPU) == Choice("cpu")
-    assert choose("auto", CPU_NO_CXX) == Choice("numba", ("C++ CPU", "no c++"))
+    assert choose("auto", CPU_NO_CXX) == Choice("reference", ("C++ CPU", "no c++"))
     with pytest.raises(RuntimeError, match="C\\+\\+ CPU.*no c\\+\\+"):
         choose("native", CPU_NO_CXX)
-    assert choose("numba", CPU) == Choice("numba")
+    with pytest.raises(ValueError, match="Invalid backend: 'numba'"):
+        choose("numba", CPU)
     assert choose("reference", CUDA) == Choice("reference")
 
 
@@ -50,7 +47,7 @@ def test_triton_on_tensors_it_does_not_take_is_refused_by_name():
         choose("triton", CPU)
     with pytest.raises(ValueError, match="Invalid backend: 'cuda'"):
         choose("cuda", CPU)
-    assert set(BACKENDS) == {"auto", "native", "triton", "numba", "reference"}
+    assert set(BACKENDS) == {"auto", "native", "triton", "reference"}
 
 
 def test_a_cuda_device_picks_triton_with_no_compiler_on_path(tmp_path):
@@ -61,8 +58,8 @@ def test_a_cuda_device_picks_triton_with_no_compiler_on_path(tmp_path):
     code = (
         "import shutil\n"
         "assert shutil.which('nvcc') is None and shutil.which('ninja') is None\n"
-        "from gefen_dist import triton_backend\n"
-        "from gefen_dist.dispatch import Facts, choose\n"
+        "from gefen_dist.backends import triton_backend\n"
+        "from gefen_dist.backends.dispatch import Facts, choose\n"
         "assert triton_backend.available(), triton_backend.build_error()\n"
         "ok = triton_backend.available()\n"
         "f = Facts(device='cuda', triton_supports=True, triton_available=ok)\n"

@@ -127,8 +127,8 @@ def test_unsupported_layouts_and_misuse_fail_naming_the_problem(eq):
     assert "no FSDP-sharded parameter" in errors["not_sharded"]
     assert "Gefen optimizer" in errors["not_gefen"]
     assert "already called" in errors["twice"]
-    assert "gefen_dist.fsdp.configure(model, optimizer)" in errors["flat_unconfigured"]
-    assert "gefen_dist.fsdp.configure(model, optimizer)" in errors["orig_unconfigured"]
+    assert "gefen_dist.integrations.fsdp.configure(model, optimizer)" in errors["flat_unconfigured"]
+    assert "gefen_dist.integrations.fsdp.configure(model, optimizer)" in errors["orig_unconfigured"]
     assert "use_orig_params=True" in errors["orig_unconfigured"]
     assert errors["through_accelerate"] == "configured"
     assert "[fc.weight, out.weight, out.bias]" in errors["wrong_model"]

@@ -12,13 +12,35 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "gefen_dist"
 
-INTEGRATIONS = {"gefen_dist.fsdp", "gefen_dist.deepspeed", "gefen_dist.register"}
+LAYERS = {
+    "gefen_dist.method": 0,
+    "gefen_dist.distributed": 1,
+    "gefen_dist.backends": 2,
+    "gefen_dist": 3,
+    "gefen_dist.integrations": 4,
+    "gefen_dist.demo": 5,
+    "gefen_dist.bench": 6,
+}
+"""Who may import whom: a module imports only modules of its own layer or a lower one. The method
+(how blocks, codebook, codes and state work) knows no backend or framework; the torch.distributed
+helpers (a rank's pieces, the first step's agreements) build on it, the backends on both; the
+optimizer's own modules (``gefen_dist.*`` at the
+top) on those; the framework integrations on the optimizer; the demo and the suite on all."""
+
 FRAMEWORKS = {
-    "deepspeed": {"gefen_dist.deepspeed"},
-    "torch.distributed.fsdp": {"gefen_dist.fsdp", "gefen_dist.bench.capacity"},
+    "deepspeed": {"gefen_dist.integrations.deepspeed"},
+    "torch.distributed.fsdp": {"gefen_dist.integrations.fsdp", "gefen_dist.bench.capacity"},
 }
 """A framework's own imports and the one module that may make them: its integration (and, for
 FSDP, the suite's capacity probe, which measures the largest microbatch under FSDP2)."""
+
+
+def _layer(module: str) -> str:
+    """The package a module's layer is named by: a subpackage, or ``gefen_dist`` for the
+    optimizer's own top-level modules (and the package's __init__, the public surface)."""
+    parts = module.split(".")
+    sub = ".".join(parts[:2])
+    return sub if sub in LAYERS and len(parts) > 2 or module in LAYERS else "gefen_dist"
 
 
 def _module(path: Path) -> str:
@@ -112,19 +134,33 @@ def test_the_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_the_core_imports_no_integration_demo_or_benchmark():
-    """Integrations, the demo and the suite import the optimizer, never the reverse: only the
-    package's __init__ (the public surface) and the integrations themselves may import an
-    integration."""
+def test_imports_run_one_way():
+    """Integrations, the demo and the suite import the optimizer, never the reverse, and the
+    method imports nothing of its users. The package's __init__ (the public surface) may import
+    the registration hook, which is how ``import gefen_dist`` binds a loaded DeepSpeed."""
     graph = _graph()
+    bad = []
     for m, deps in graph.items():
-        if m == "gefen_dist" or m in INTEGRATIONS:
-            continue
-        if m.startswith(("gefen_dist.bench", "gefen_dist.train")):
-            continue
-        assert not deps & INTEGRATIONS, f"{m} imports {deps & INTEGRATIONS}"
-        bad = {d for d in deps if d.startswith("gefen_dist.bench") or d == "gefen_dist.train"}
-        assert not bad, f"{m} imports {bad}"
+        for d in deps:
+            lm, ld = _layer(m), _layer(d)
+            if m == "gefen_dist" and d.startswith("gefen_dist.integrations"):
+                continue
+            if LAYERS[ld] > LAYERS[lm]:
+                bad.append(f"{m} ({lm}) imports {d} ({ld})")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_layer_rule_can_fail():
+    assert _layer("gefen_dist.method.codes") == "gefen_dist.method"
+    assert _layer("gefen_dist.optimizer") == "gefen_dist"
+    assert _layer("gefen_dist.backends") == "gefen_dist.backends"
+    assert LAYERS[_layer("gefen_dist.integrations.fsdp")] > LAYERS[_layer("gefen_dist.optimizer")]
+
+
+def test_every_module_is_in_a_layer():
+    """A new subpackage must be placed in LAYERS, not fall into the top level unnoticed."""
+    subs = {".".join(("gefen_dist", d.name)) for d in PKG.iterdir() if (d / "__init__.py").exists()}
+    assert subs <= set(LAYERS), subs - set(LAYERS)
 
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))

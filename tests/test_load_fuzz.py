@@ -2,7 +2,7 @@
 and the key, or loads and steps to finite parameters. Never a crash, never NaN.
 
 Why: a fuzz of 300 mutated state dicts had found 12 that loaded and turned the parameters
-non-finite and 14 that loaded and then crashed inside ``step()`` (``gefen_dist.load_check``).
+non-finite and 14 that loaded and then crashed inside ``step()`` (``gefen_dist.method.load_check``).
 This one runs in CI, seeded, over a state of every kind Gefen keeps: B = 1 (bf16 m and v),
 row blocks and column blocks, each factored (``v_cross``) and not. The gradients are fixed
 tensors rather than a loss's: the test asks what the optimizer does with a state, and a loss
@@ -24,9 +24,10 @@ import pytest
 import torch
 from dist_util import read_results, torchrun
 
-from gefen_dist import Gefen, load_check
-from gefen_dist.partition import MAX_BLOCK
-from gefen_dist.state import STATE_KEYS
+import gefen_dist
+from gefen_dist import Gefen
+from gefen_dist.method.partition import MAX_BLOCK
+from gefen_dist.method.state import STATE_KEYS
 
 torch.set_num_threads(1)
 
@@ -630,19 +631,19 @@ def test_check_gradients_refuses_by_name_before_anything_is_written():
     params, opt = _trained()
     for n, p in params.items():
         p.grad = GRADS[TRAIN][n].clone()
-    load_check.check_gradients(opt)  # finite: nothing to say
+    gefen_dist.check_gradients(opt)  # finite: nothing to say
     params["head.weight"].grad[2, 3] = math.inf
     params["norm.weight"].grad[0] = math.nan
     snap = _snapshot(opt)
     with pytest.raises(ValueError, match=r"'head.weight'.*, parameter 'norm.weight'"):
-        load_check.check_gradients(opt)
+        gefen_dist.check_gradients(opt)
     assert _unchanged(opt, snap)
     # finite gradients whose norm overflows fp32 are not refused: only NaN and inf are
     for n, p in params.items():
         p.grad = GRADS[TRAIN][n].clone()
     params["fc2.weight"].grad.fill_(3e30)
     params["fc1.bias"].grad = None
-    load_check.check_gradients(opt)
+    gefen_dist.check_gradients(opt)
 
 
 # -- FSDP2 checkpoints through DCP, damaged in their files and values --------------------------

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from gefen_dist import Gefen, Segment, reference, spec
-from gefen_dist.codes import unpack4
+from gefen_dist import Gefen, Segment
+from gefen_dist.backends import reference
+from gefen_dist.method import spec
+from gefen_dist.method.codes import unpack4
 
 torch.set_num_threads(1)
 
@@ -107,7 +109,7 @@ def test_native_b1_state_matches_the_reference():
 
 
 # ---------------------------------------------------------------------------------------------
-# The block update against the spec's naive, unchunked statement (gefen_dist.spec)
+# The block update against the spec's naive, unchunked statement (gefen_dist.method.spec)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -133,7 +135,7 @@ def test_block_update_matches_naive_spec(bits, start, numel, block, monkeypatch)
     p0 = torch.randn(numel, generator=_gen(2))
     p = p0.clone().requires_grad_()
     opt = Gefen([p], lr=1e-2, weight_decay=0.1, bits=bits)
-    opt.backend = "reference"  # the spec checks the reference; test_cpu_kernel checks numba
+    opt.backend = "reference"  # the spec checks the reference; the kernels are checked against it
     opt.set_segments(p, [Segment(0, numel, start, shape)])
     grads = [g0] + [torch.randn(numel, generator=_gen(10 + t)) for t in range(4)]
     # the block size is the partition's to choose; force it for the spec comparison
@@ -148,8 +150,8 @@ def test_block_update_matches_naive_spec(bits, start, numel, block, monkeypatch)
 
 
 def _state_with_block(opt, p, g0, block, start, shape):
-    from gefen_dist import codebook as cb
-    from gefen_dist import state
+    from gefen_dist.method import codebook as cb
+    from gefen_dist.method import state
 
     x = torch.rand(1000, generator=_gen(7)) * 2 - 1
     levels = cb.learn_codebook(cb.histogram(x), opt.param_groups[0]["bits"])

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from gefen_dist import partition as pt
+from gefen_dist.method import partition as pt
 
 
 def _gen(seed=0):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from dist_util import deepspeed_run, duplicated_cross_bytes, read_results, torchrun
 
-from gefen_dist.register import register
+from gefen_dist.integrations.register import register
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -62,7 +62,7 @@ def test_from_config_params():
     pytest.importorskip("deepspeed")
     out = _python(
         "import torch\n"
-        "from gefen_dist.deepspeed import from_config\n"
+        "from gefen_dist.integrations.deepspeed import from_config\n"
         "p = [torch.zeros(3, requires_grad=True)]\n"
         "o = from_config(p, {'lr': 0.1, 'betas': [0.8, 0.9], 'bits': 8})\n"
         "assert o.defaults['betas'] == (0.8, 0.9) and o.defaults['bits'] == 8\n"
@@ -81,7 +81,7 @@ def test_from_config_names_values_of_the_wrong_type():
     pytest.importorskip("deepspeed")
     out = _python(
         "import torch\n"
-        "from gefen_dist.deepspeed import from_config\n"
+        "from gefen_dist.integrations.deepspeed import from_config\n"
         "p = [torch.zeros(3, requires_grad=True)]\n"
         "for bad in ({'lr': 'auto'}, {'weight_decay': 'auto'}, {'betas': 'auto'},\n"
         "            {'betas': [0.9, 'auto']}, {'betas': [0.9]}, {'eps': None},\n"

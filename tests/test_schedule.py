@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from gefen_dist import train as demo
 from gefen_dist.bench import tasks
+from gefen_dist.demo import train as demo
 from gefen_dist.schedule import warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gefen_dist.corpus import get_batch, load_corpus
-from gefen_dist.model import GPT, GPTConfig
-from gefen_dist.train import full_config, lr_lambda, run
+from gefen_dist.demo.corpus import get_batch, load_corpus
+from gefen_dist.demo.model import GPT, GPTConfig
+from gefen_dist.demo.train import full_config, lr_lambda, run
 
 torch.set_num_threads(1)
 
@@ -95,7 +95,7 @@ def test_cli_end_to_end(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "gefen_dist.train",
+        "gefen_dist.demo.train",
         "--optimizer",
         "adamw",
         "--steps",

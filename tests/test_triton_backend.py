@@ -1,5 +1,5 @@
-"""The Triton backend (``gefen_dist.triton_backend``) run for real on CPU tensors under Triton's
-interpreter: the GPU kernels' own code, program by program, on this machine.
+"""The Triton backend (``backends/triton_backend.py``) run for real on CPU tensors under
+Triton's interpreter: the GPU kernels' own code, program by program, on this machine.
 
 Two references. ``reference.py`` run by torch, within ``agree``'s bounds: torch's CPU kernels
 contract lerp and add-with-alpha into FMAs and this torch's vectorised sqrt is not correctly
@@ -34,9 +34,18 @@ if type(pytest.importorskip("triton.language").zeros).__name__ != "InterpretedFu
         allow_module_level=True,
     )
 
-from gefen_dist import codebook, segment_table  # noqa: E402
-from gefen_dist import triton_backend as tb  # noqa: E402
-from gefen_dist.codes import (  # noqa: E402
+from gefen_dist.backends import segment_table  # noqa: E402
+from gefen_dist.backends import triton_backend as tb  # noqa: E402
+from gefen_dist.backends.reference import (  # noqa: E402
+    block_update,
+    column_update,
+    cross_factor,
+    cross_mean,
+    cross_sums,
+    dense_update,
+)
+from gefen_dist.method import codebook  # noqa: E402
+from gefen_dist.method.codes import (  # noqa: E402
     hash_bits,
     midpoints,
     round_bf16,
@@ -44,18 +53,9 @@ from gefen_dist.codes import (  # noqa: E402
     stochastic_quantize,
     uniforms,
 )
-from gefen_dist.reference import (  # noqa: E402
-    Hyper,
-    SegmentState,
-    block_update,
-    column_update,
-    cross_factor,
-    cross_length,
-    cross_mean,
-    cross_sums,
-    dense_update,
-)
-from gefen_dist.segments import num_blocks  # noqa: E402
+from gefen_dist.method.hyper import Hyper  # noqa: E402
+from gefen_dist.method.segments import num_blocks  # noqa: E402
+from gefen_dist.method.state import SegmentState, cross_length  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -685,7 +685,7 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from gefen_dist import triton_backend as tb
+from gefen_dist.backends import triton_backend as tb
 
 UNWANTED = r"\b(?:fma\.rn\.f32|div\.full\.f32|div\.approx\S*|sqrt\.approx\S*|\S+\.ftz\S*)"
 out = tb.compile_ptx(90)

@@ -14,9 +14,10 @@ pytest.importorskip("triton")
 
 from dist_util import read_results, torchrun  # noqa: E402
 
-from gefen_dist import Gefen, triton_backend  # noqa: E402
-from gefen_dist.corpus import get_batch, load_corpus  # noqa: E402
-from gefen_dist.model import GPT, GPTConfig  # noqa: E402
+from gefen_dist import Gefen  # noqa: E402
+from gefen_dist.backends import triton_backend  # noqa: E402
+from gefen_dist.demo.corpus import get_batch, load_corpus  # noqa: E402
+from gefen_dist.demo.model import GPT, GPTConfig  # noqa: E402
 
 pytestmark = pytest.mark.triton
 

@@ -1,7 +1,7 @@
 """An installed wheel runs the C++ CPU kernel, built from the source it ships.
 
 Why: the kernel's source lives in the top-level ``csrc/``, outside the package; a wheel once
-left it behind, and an installed Gefen then ran the numba fallback (1.7x slower) with only a
+left it behind, and an installed Gefen then ran a slower fallback (1.7x) with only a
 warning to show for it. Every test run from a checkout reads ``csrc/`` directly, so nothing else
 would notice. One wheel is built straight from the tree (``pip install .``), one from an sdist
 (MANIFEST.in), and the first is installed in a fresh venv outside the repository that sees the
@@ -33,7 +33,8 @@ STEP = """
 import json, os
 import torch
 import gefen_dist
-from gefen_dist import Gefen, native_cpu
+from gefen_dist import Gefen
+from gefen_dist.backends import native_cpu
 
 torch.manual_seed(0)
 model = torch.nn.Linear(64, 32)

@@ -56,7 +56,7 @@ class Setup:
     budget_mib: float = 260.0
 
     def gpt_config(self):
-        from gefen_dist.model import GPTConfig
+        from gefen_dist.demo.model import GPTConfig
 
         return GPTConfig(
             block_size=self.block_size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd
@@ -131,8 +131,8 @@ def preload(optimizers: list[str], setup: Setup) -> None:
     import torch
 
     from gefen_dist.bench import peers
-    from gefen_dist.corpus import get_batch, load_corpus
-    from gefen_dist.model import GPT
+    from gefen_dist.demo.corpus import get_batch, load_corpus
+    from gefen_dist.demo.model import GPT
 
     torch.set_num_threads(1)
     if not _CORPUS:
@@ -179,8 +179,8 @@ def probe(spec: dict, rank: int = 0) -> dict:
     RSS at that moment."""
     import torch
 
-    from gefen_dist.corpus import get_batch
-    from gefen_dist.model import GPT
+    from gefen_dist.demo.corpus import get_batch
+    from gefen_dist.demo.model import GPT
 
     mode, name, b = spec["mode"], spec["optimizer"], spec["b"]
     s = Setup(**spec["setup"])

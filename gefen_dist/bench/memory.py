@@ -6,7 +6,7 @@ gradient. So every number is the state an optimizer really allocates, counted by
 ``peers.state_bytes``, after a real ``step()`` on the real first gradient of that tensor:
 
 1. Build ONE transformer layer with the embeddings and the head at full width (the real names:
-   ``gefen_dist.model.GPT`` for GPT-2, ``transformers``' Llama for Llama-3) and run one real
+   ``gefen_dist.demo.model.GPT`` for GPT-2, ``transformers``' Llama for Llama-3) and run one real
    forward/backward on a short batch of real text (the Python stdlib source; words hashed into
    the vocabulary, a stand-in for BPE since no tokenizer files are here).
 2. For each tensor, one at a time: each peer is built on a lone parameter of that name and shape,
@@ -83,7 +83,7 @@ MODELS: dict[str, Shape] = {
 
 def tokens(vocab: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
     """Real text as token ids: stdlib source words, each hashed (crc32) into the vocabulary."""
-    from gefen_dist.corpus import load_corpus
+    from gefen_dist.demo.corpus import load_corpus
 
     train, _ = load_corpus(max_bytes=2 * 2**20)
     words = bytes(train.numpy()).split()
@@ -97,7 +97,7 @@ def build_model(s: Shape, n_layer: int = 1) -> tuple[nn.Module, list[str], list[
     """(model, names of the input-embedding matrix, names of the head matrix) at full width."""
     torch.manual_seed(0)
     if s.kind == "gpt2":
-        from gefen_dist.model import GPT, GPTConfig
+        from gefen_dist.demo.model import GPT, GPTConfig
 
         cfg = GPTConfig(
             vocab_size=s.vocab, block_size=s.ctx, n_layer=n_layer, n_head=s.n_head, n_embd=s.d
@@ -206,9 +206,9 @@ def gefen_state(grad: torch.Tensor, bits: list[int]) -> dict[int, dict]:
     per million elements here. The partition runs once for both bit widths (it does not
     depend on them), with a 2M-element working chunk instead of 256K (same sums, 3x faster).
     ``tests/test_bench_memory.py`` checks this equals a real ``Gefen.step()``."""
-    from gefen_dist import partition
-    from gefen_dist import state as gstate
-    from gefen_dist.sharding import plain_segments
+    from gefen_dist.distributed.sharding import plain_segments
+    from gefen_dist.method import partition
+    from gefen_dist.method import state as gstate
 
     segs = plain_segments(grad.numel(), tuple(grad.shape))
     flat = grad.reshape(-1)

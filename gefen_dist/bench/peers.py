@@ -171,7 +171,7 @@ def set_lr(opt: torch.optim.Optimizer, factor: float) -> None:
 
 
 def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
-    from gefen_dist.sharding import is_dtensor, local
+    from gefen_dist.distributed.sharding import is_dtensor, local
 
     if is_dtensor(t):  # FSDP2 state: count this rank's shard, not the global tensor
         return _leaves(local(t))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gefen_dist.bench import peers, store, tasks
+from gefen_dist.demo import loop
 
 SMOKE_OPTIMIZERS = ["adamw", "gefen8", "gefen4", "bnb_adamw8bit"]
 """The smoke run: AdamW, both Gefens and one peer; torchao compiles for ~10 s per process."""
@@ -45,28 +46,19 @@ def run_one(task: tasks.Task, optimizer: str, seed: int) -> dict[str, Any]:
     except peers.Unavailable as e:
         return dict(status="skipped", reason=str(e))
     eval_at = {max(1, round(h.steps * (i + 1) / h.evals)) for i in range(h.evals)}
-    curve = [dict(step=0, **inst.evaluate(model))]
-    step_ms: list[float] = []
-    window: list[float] = []
-    for step in range(1, h.steps + 1):
-        peers.set_lr(opt, tasks.lr_factor(step - 1, h))
-        t0 = time.perf_counter()
-        loss = inst.loss(model, next(inst.batches))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), h.grad_clip)
-        opt.step()
-        window.append(loss.item())
-        step_ms.append(1000 * (time.perf_counter() - t0))
-        if not all(map(_finite, window[-1:])):
-            return dict(
-                status="failed", reason=f"loss became {window[-1]} at step {step}", curve=curve
-            )
-        if step in eval_at:
-            curve.append(
-                dict(step=step, train_loss=sum(window) / len(window), **inst.evaluate(model))
-            )
-            window = []
+
+    def step(s: int) -> float:
+        peers.set_lr(opt, tasks.lr_factor(s - 1, h))
+        return loop.plain_step(
+            model, opt, lambda: inst.loss(model, next(inst.batches)), h.grad_clip
+        )
+
+    trace = loop.train(
+        step, h.steps, lambda: inst.evaluate(model), eval_at.__contains__, stop_on_nonfinite=True
+    )
+    curve, step_ms = trace.curve, trace.step_ms
+    if trace.failed:
+        return dict(status="failed", reason=trace.failed, curve=curve)
     n = peers.trainable_numel(model)
     sb = peers.state_bytes(opt)
     rec: dict[str, Any] = dict(
@@ -98,10 +90,6 @@ def run_one(task: tasks.Task, optimizer: str, seed: int) -> dict[str, Any]:
             ],
         )
     return rec
-
-
-def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
 
 
 def _worker(argv: list[str]) -> None:

@@ -5,7 +5,7 @@ shapes people train, not just on the demo GPT: fused-qkv GPT with LayerNorm and 
 Llama-style block (RMSNorm, SwiGLU, rotary, grouped-query attention, no biases, tied embedding,
 hidden size 192 so nothing is a power of two), a BatchNorm ResNet (4-D conv kernels, tiny BN
 vectors), a plain MLP and a GRU (stacked gate matrices). The data is the Python standard
-library's source (``gefen_dist.corpus``) and scikit-learn's bundled digits, so no run
+library's source (``gefen_dist.demo.corpus``) and scikit-learn's bundled digits, so no run
 downloads anything.
 
 A task builds its model from the seed (``torch.manual_seed``) and draws its training batches
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gefen_dist.corpus import get_batch, load_corpus
-from gefen_dist.model import GPT, GPTConfig
+from gefen_dist.demo.corpus import get_batch, load_corpus
+from gefen_dist.demo.model import GPT, GPTConfig
 from gefen_dist.schedule import warmup_cosine
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -64,7 +64,7 @@ class Task:
 
 
 def lr_factor(step: int, h: Hyper) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_frac`` (the schedule of gefen_dist.train)."""
+    """Linear warmup, then cosine decay to ``min_lr_frac`` (as gefen_dist.demo.train)."""
     warmup = max(1, int(h.warmup_frac * h.steps))
     return warmup_cosine(step, h.steps, warmup, h.min_lr_frac)
 

@@ -9,7 +9,7 @@ in a rank's packed Gefen state, a negative v, a bad step or codebook) goes throu
 format (``format_utils``: the checkpoint as one torch.save file and back), so the files stay
 readable and the damage reaches Gefen's load hooks. Each rank writes, per damage, where the load
 stopped and why, and, where every rank loaded, whether 2 more steps left the parameters finite;
-and what ``load_check.check_gradients`` says on each rank when one rank's gradient holds NaN.
+and what ``gefen_dist.check_gradients`` says on each rank when one rank's gradient holds NaN.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from gefen_dist import load_check
+import gefen_dist
+from gefen_dist.method import load_check
 
 PARAM = "transformer.h.0.mlp.c_proj.weight"  # blocks of 256, factored: v_cross on both ranks
 DENSE = "transformer.ln_f.weight"  # B = 1: exp_avg, exp_avg_sq
@@ -197,7 +198,7 @@ def _load(model, opt, msd, osd, d: Path) -> dict:
 
 
 def gradient_check(bits: int) -> dict:
-    """``load_check.check_gradients`` with a NaN in rank 1's shard only: every rank refuses."""
+    """``gefen_dist.check_gradients`` with a NaN in rank 1's shard only: every rank refuses."""
     model = wrap("gpt", "fsdp2")
     opt = gefen(list(model.named_parameters()), bits)
     train("gpt", model, opt, 0, 1)
@@ -207,7 +208,7 @@ def gradient_check(bits: int) -> dict:
     if dist.get_rank() == 1:
         dict(model.named_parameters())[PARAM].grad._local_tensor.view(-1)[5] = math.nan
     try:
-        load_check.check_gradients(opt)
+        gefen_dist.check_gradients(opt)
     except ValueError as e:
         return dict(refused=str(e))
     return dict(refused=None)

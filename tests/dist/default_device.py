@@ -19,9 +19,9 @@ import torch.distributed as dist
 from fsdp_common import TINY
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-import gefen_dist.fsdp
+import gefen_dist.integrations.fsdp
 from gefen_dist import Gefen
-from gefen_dist.model import GPT
+from gefen_dist.demo.model import GPT
 
 
 def run(mode: str, default: str) -> list[torch.Tensor]:
@@ -33,7 +33,7 @@ def run(mode: str, default: str) -> list[torch.Tensor]:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = Gefen(model.parameters(), lr=3e-3, weight_decay=0.1, bits=4)
     if mode == "fsdp1":
-        gefen_dist.fsdp.configure(model, opt)
+        gefen_dist.integrations.fsdp.configure(model, opt)
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(3):
         x = torch.randint(0, 256, (2, TINY.block_size), generator=gen)

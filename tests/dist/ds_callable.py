@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gefen_dist import Gefen
-from gefen_dist.model import GPT, GPTConfig
+from gefen_dist.demo.model import GPT, GPTConfig
 
 torch.set_num_threads(1)
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ds_zero1_cpu.json"
@@ -43,7 +43,7 @@ def run() -> dict:
         eng.backward(loss)
         eng.step()
         losses.append(float(loss))
-    import gefen_dist.deepspeed as gd
+    import gefen_dist.integrations.deepspeed as gd
 
     try:
         mem = gd.memory_report(eng)
@@ -56,7 +56,7 @@ def run() -> dict:
 def main() -> None:
     out_dir = Path([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
     deepspeed.init_distributed(dist_backend="gloo")
-    installed_before = "gefen_dist.deepspeed" in sys.modules
+    installed_before = "gefen_dist.integrations.deepspeed" in sys.modules
     res = {"rank": dist.get_rank(), "installed_before": installed_before}
     res["first"] = run()  # the integration arrives inside this initialize
     res["again"] = run()

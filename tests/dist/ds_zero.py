@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
 
-import gefen_dist.deepspeed as gd
+import gefen_dist.integrations.deepspeed as gd
 from gefen_dist import Gefen
-from gefen_dist.model import GPT, GPTConfig
+from gefen_dist.demo.model import GPT, GPTConfig
 
 torch.set_num_threads(1)
 

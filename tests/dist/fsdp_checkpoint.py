@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-import gefen_dist.fsdp
+import gefen_dist.integrations.fsdp
 
 FIRST, SECOND = 3, 3
 WORLD1 = {("gpt", "full"), ("gpt", "dcp"), ("gpt", "dcp_unconfigured")}
@@ -54,7 +54,7 @@ def setup_run(kind: str, setup: str, bits: int, path: str = ""):
     model = wrap(kind, setup)
     opt = gefen(model.parameters(), bits)
     if path != "dcp_unconfigured":  # FSDP2 users who skip configure: Gefen configures itself
-        gefen_dist.fsdp.configure(model, opt)
+        gefen_dist.integrations.fsdp.configure(model, opt)
     return model, opt
 
 
@@ -153,7 +153,7 @@ def template_leak(bits: int) -> str | None:
     other_model, other = setup_run("gpt", "fsdp2", bits)
     train("gpt", other_model, other, 0, 1)
     mixed = other.state_dict()
-    key = gefen_dist.fsdp.RANK_KEY.format(dist.get_rank())
+    key = gefen_dist.integrations.fsdp.RANK_KEY.format(dist.get_rank())
     for i, entry in saved["state"].items():
         mixed["state"][i] = {**entry, key: mixed["state"][i][key]}
     try:

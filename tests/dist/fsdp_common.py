@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from gefen_dist import Gefen
-from gefen_dist.model import GPT, Block, GPTConfig
+from gefen_dist.demo.model import GPT, Block, GPTConfig
 
 torch.set_num_threads(1)
 
@@ -138,7 +138,7 @@ def train(kind: str, model, opt, first: int, steps: int, split: bool = True) -> 
 
 
 def gefen(params, bits: int) -> Gefen:
-    """Gefen as a user builds it; GEFEN_BACKEND=reference|numba pins the update backend, to tell
+    """Gefen as a user builds it; GEFEN_BACKEND=reference pins the update backend, to tell
     an integration fault from a kernel one."""
     opt = Gefen(params, bits=bits, **HYPER)
     if os.environ.get("GEFEN_BACKEND"):

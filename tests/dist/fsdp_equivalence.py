@@ -32,14 +32,14 @@ from fsdp_common import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-import gefen_dist.fsdp
+import gefen_dist.integrations.fsdp
 from gefen_dist import Gefen
 
 
 def run(kind: str, setup: str, steps: int, bits: int, ref: dict, split: bool) -> dict:
     model = wrap(kind, setup)
     opt = gefen(model.parameters(), bits)
-    gefen_dist.fsdp.configure(model, opt)
+    gefen_dist.integrations.fsdp.configure(model, opt)
     losses = train(kind, model, opt, 0, steps, split)
     if setup == "fsdp2":
         blocks = {n: int(opt.state[p]["layout"][0, 3]) for n, p in model.named_parameters()}
@@ -82,11 +82,11 @@ def errors() -> dict[str, str]:
         out["mesh_2d"] = str(e)
     plain = build("odd")
     try:
-        gefen_dist.fsdp.configure(plain, Gefen(plain.parameters()))
+        gefen_dist.integrations.fsdp.configure(plain, Gefen(plain.parameters()))
     except ValueError as e:
         out["not_sharded"] = str(e)
     try:
-        gefen_dist.fsdp.configure(plain, torch.optim.AdamW(plain.parameters()))
+        gefen_dist.integrations.fsdp.configure(plain, torch.optim.AdamW(plain.parameters()))
     except TypeError as e:
         out["not_gefen"] = str(e)
     model = wrap("odd", "fsdp1_flat")
@@ -106,14 +106,14 @@ def errors() -> dict[str, str]:
         out["orig_unconfigured"] = str(e)
     out["through_accelerate"] = through_accelerate(orig)
     opt = Gefen(model.parameters())
-    gefen_dist.fsdp.configure(model, opt)
+    gefen_dist.integrations.fsdp.configure(model, opt)
     try:
-        gefen_dist.fsdp.configure(model, opt)
+        gefen_dist.integrations.fsdp.configure(model, opt)
     except RuntimeError as e:
         out["twice"] = str(e)
     other = wrap("odd", "fsdp1_flat")
     try:
-        gefen_dist.fsdp.configure(other, Gefen(model.parameters()))
+        gefen_dist.integrations.fsdp.configure(other, Gefen(model.parameters()))
     except ValueError as e:
         out["wrong_model"] = str(e)
     return out
@@ -126,7 +126,7 @@ def through_accelerate(model) -> str:
 
     Accelerator(cpu=True)
     opt = Gefen(model.parameters())
-    gefen_dist.fsdp.configure(model, AcceleratedOptimizer(opt, device_placement=False))
+    gefen_dist.integrations.fsdp.configure(model, AcceleratedOptimizer(opt, device_placement=False))
     return "configured" if getattr(opt, "_gefen_fsdp", None) is not None else "not configured"
 
 

@@ -3,7 +3,7 @@
 Run by tests/test_registration.py: ``reg_accel.py OUT CKPT`` under torchrun with
 ``ACCELERATE_USE_CPU=true`` (MULTI_CPU DDP, ``Gefen`` passed to ``prepare``), with
 ``ACCELERATE_USE_FSDP=true FSDP_VERSION=1|2`` (GPUs only; FSDP1 needs
-``gefen_dist.fsdp.configure``, FSDP2 nothing), or
+``gefen_dist.integrations.fsdp.configure``, FSDP2 nothing), or
 ``ACCELERATE_USE_DEEPSPEED=true ACCELERATE_DEEPSPEED_CONFIG_FILE=configs/ds_zero*_auto_cpu.json``
 (``DummyOptim`` passed to ``prepare``; DeepSpeed builds Gefen from ``"type": "Gefen"``; the one
 Gefen-specific line is ``gefen_dist.register()``, since Accelerate imports DeepSpeed only inside
@@ -22,9 +22,9 @@ from accelerate.utils import DistributedType, DummyOptim, InitProcessGroupKwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 import gefen_dist
-import gefen_dist.fsdp
+import gefen_dist.integrations.fsdp
 from gefen_dist import Gefen
-from gefen_dist.model import GPT, GPTConfig
+from gefen_dist.demo.model import GPT, GPTConfig
 
 torch.set_num_threads(1)
 TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=64)
@@ -52,7 +52,7 @@ def main():
         opt = Gefen(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.999))
     if fsdp1:
         opt, dl = acc.prepare(opt, dl)
-        gefen_dist.fsdp.configure(model, opt.optimizer)
+        gefen_dist.integrations.fsdp.configure(model, opt.optimizer)
     else:
         model, opt, dl = acc.prepare(model, opt, dl)
     batches = list(dl)
@@ -89,7 +89,7 @@ def main():
         "resume_exact": all(torch.equal(final[n], again[n]) for n in final),
     }
     if ds:
-        import gefen_dist.deepspeed as gd
+        import gefen_dist.integrations.deepspeed as gd
 
         eng = acc.deepspeed_engine_wrapped.engine
         out["basic"] = type(eng.basic_optimizer).__name__

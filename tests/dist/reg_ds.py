@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import gefen_dist
-from gefen_dist.model import GPT, GPTConfig
+from gefen_dist.demo.model import GPT, GPTConfig
 
 torch.set_num_threads(1)
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -59,7 +59,7 @@ def run(stage):
         "weight_decay": g["weight_decay"],
         "losses": losses,
     }
-    import gefen_dist.deepspeed as gd
+    import gefen_dist.integrations.deepspeed as gd
 
     out["memory"] = error_of(lambda: gd.memory_report(eng))
     if isinstance(out["memory"], dict):

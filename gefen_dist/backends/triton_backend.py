@@ -46,10 +46,12 @@ from typing import Any
 
 import torch
 
+from ..method.codes import unpack4
+from ..method.hyper import Hyper
+from ..method.segments import num_blocks
+from ..method.state import SegmentState
 from . import segment_table as table
-from .codes import unpack4
-from .reference import Hyper, SegmentState, cross_factor, cross_mean
-from .segments import num_blocks
+from .reference import cross_factor, cross_mean
 
 DTYPES = table.DTYPES
 TILE = 1024

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .segments import Segment, plain_segments
+from ..method.segments import Segment, plain_segments
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard

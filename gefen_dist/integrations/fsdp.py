@@ -4,7 +4,7 @@ One call after building the optimizer::
 
     model = FSDP(model, ...)            # or fully_shard(...) (FSDP2)
     opt = Gefen(model.parameters(), lr=...)
-    gefen_dist.fsdp.configure(model, opt)
+    gefen_dist.integrations.fsdp.configure(model, opt)
 
 Training. FSDP1 with ``use_orig_params=False`` hands the optimizer one flat shard per FSDP unit:
 pieces of several original tensors, each rank a different cut. ``configure`` reads FSDP's flat
@@ -68,10 +68,10 @@ from torch.distributed.fsdp import ShardingStrategy, StateDictType
 from torch.distributed.fsdp._common_utils import _get_param_to_fqns
 from torch.distributed.fsdp._flat_param import FlatParameter
 
-from . import sharding
-from .optimizer import Gefen
-from .segments import Segment
-from .state import STATE_KEYS
+from ..distributed import sharding
+from ..method.segments import Segment
+from ..method.state import STATE_KEYS
+from ..optimizer import Gefen
 
 __all__ = ["configure", "RANK_KEY"]
 
@@ -134,7 +134,7 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
         if unit.sharding_strategy not in _SUPPORTED:
             raise NotImplementedError(
                 f"FSDP unit {_unit_name(handle.flat_param)} uses {unit.sharding_strategy}; "
-                "gefen_dist.fsdp supports FULL_SHARD, SHARD_GRAD_OP and NO_SHARD"
+                "gefen_dist.integrations.fsdp supports FULL_SHARD, SHARD_GRAD_OP and NO_SHARD"
             )
         fp = handle.flat_param
         group = unit.process_group
@@ -337,7 +337,7 @@ def _unpack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]
             raise ValueError(
                 f"the checkpoint holds Gefen state for {name} from {', '.join(ranks)} but not "
                 f"from rank {rank}: it was saved by another world size, or as a full state dict "
-                "that FSDP gathered without the other ranks' entries (see gefen_dist.fsdp)"
+                "that FSDP gathered without the other ranks' entries (gefen_dist.integrations.fsdp)"
             )
         loaded = _decode(st, key, opt._segments_for(p), rank, world, name)
         if loaded is None:

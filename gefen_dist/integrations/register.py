@@ -3,7 +3,7 @@
 Why a call and not an import side effect alone: ``import gefen_dist`` must stay cheap and must work
 without DeepSpeed installed, while DeepSpeed's config path (``"optimizer": {"type": "Gefen"}``,
 used by ``deepspeed.initialize`` without ``optimizer=``, Accelerate's ``DummyOptim`` and the Hugging
-Face Trainer's ``--deepspeed``) only knows Gefen once ``gefen_dist.deepspeed`` has patched it.
+Face Trainer's ``--deepspeed``) only knows Gefen once ``integrations.deepspeed`` has patched it.
 ``import gefen_dist`` does that by itself when DeepSpeed is already imported; ``register()`` does it
 whatever the import order. DDP, FSDP and Accelerate's DDP need no registration: they take the
 optimizer object.
@@ -15,11 +15,11 @@ import importlib
 import importlib.util
 import sys
 
-from . import optimizer
+from .. import optimizer
 
 __all__ = ["register"]
 
-_INTEGRATIONS = {"deepspeed": "gefen_dist.deepspeed"}
+_INTEGRATIONS = {"deepspeed": "gefen_dist.integrations.deepspeed"}
 
 
 def register(*frameworks: str) -> list[str]:
@@ -55,7 +55,7 @@ def _bind_deepspeed(opt) -> None:
 
 
 def _configure_fsdp2(opt) -> None:
-    importlib.import_module("gefen_dist.fsdp").configure(None, opt)
+    importlib.import_module("gefen_dist.integrations.fsdp").configure(None, opt)
 
 
 optimizer.ON_CONSTRUCT.append(_bind_deepspeed)

@@ -2,16 +2,17 @@
 
 Unchunked, unbatched and slow on purpose: every formula of ``docs/method.md`` section 3 in the
 order it is written there, over a whole tensor (or one piece of it, ``start`` elements into a
-tensor of ``tensor_numel``), for a list of gradients from a zero state. ``reference.py`` does
-the same in bounded memory and ``tests/test_optimizer.py`` checks it against this; every backend
-is tested against ``reference.py``.
+tensor of ``tensor_numel``), for a list of gradients from a zero state. ``backends/reference.py``
+does the same in bounded memory and ``tests/test_optimizer.py`` checks it against this; every
+backend is tested against the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import codes, reference
+from . import codes
+from .state import CROSS_FLOOR, MIN_CROSS_BLOCKS
 
 
 def gefen(
@@ -28,9 +29,9 @@ def gefen(
 ) -> torch.Tensor:
     """Per-block AdamW with v = (v of the block) x (the factor of the element's position across
     blocks: its column of the tensor's (n / B, B) view, or its row for column blocks; relative to
-    the factors' mean, at least reference.CROSS_FLOOR; from the steps before this one, this
+    the factors' mean, at least CROSS_FLOOR; from the steps before this one, this
     step's own on the first) when the tensor has at least
-    reference.MIN_CROSS_BLOCKS blocks, and an m stored as codebook level * absmax: the nearest
+    MIN_CROSS_BLOCKS blocks, and an m stored as codebook level * absmax: the nearest
     level at 8 bits; at 4 bits one of the two around it, the upper one when u * spacing <
     distance above the lower, u = codes.uniforms(step, index in the tensor). A piece (``start``
     > 0 or a tensor longer than it) estimates the factor from its own elements."""
@@ -40,13 +41,13 @@ def gefen(
     if block < 0:  # columns: elements the same distance apart as a row's length share a block
         ids, nb = (torch.arange(n) + start) % width, width
         pos, npos = (torch.arange(n) + start) // width, -(-total // width)  # the tensor's rows
-        factored = width >= reference.MIN_CROSS_BLOCKS and npos > 1
+        factored = width >= MIN_CROSS_BLOCKS and npos > 1
     else:
         ids = (torch.arange(n) + start) // block
         ids = ids - ids[0]
         nb = int(ids[-1]) + 1
         pos, npos = (torch.arange(n) + start) % block, block  # the position in a block
-        factored = -(-total // block) >= reference.MIN_CROSS_BLOCKS
+        factored = -(-total // block) >= MIN_CROSS_BLOCKS
     m_q = torch.zeros(n)
     v = torch.zeros(nb)
     cross = torch.zeros(npos)
@@ -60,7 +61,7 @@ def gefen(
         before = cross  # c from the steps before this one, unless they left it all zero
         cross = betas[1] * cross + (1 - betas[1]) * sq
         c = (before / before.mean() if before.mean() > 0 else cross / cross.mean()).clamp(
-            min=reference.CROSS_FLOOR
+            min=CROSS_FLOOR
         )
         v_elem = v[ids] * c[pos] if factored else v[ids]
         p = p * (1 - lr * wd)

@@ -56,9 +56,9 @@ from deepspeed.runtime.zero import utils as zero_utils
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from .optimizer import Gefen
-from .segments import Segment
-from .validation import is_real
+from ..method.segments import Segment
+from ..optimizer import Gefen
+from ..validation import is_real
 
 __all__ = ["configure", "memory_report", "block_sizes", "from_config", "META_KEY", "OPTIMIZER_TYPE"]
 
@@ -303,7 +303,7 @@ def _stage12(zo: DeepSpeedZeroOptimizer) -> tuple[list[_Flat], dist.ProcessGroup
             raise RuntimeError(
                 f"ZeRO param group {i}: partition of {flat.numel()} elements, expected {size} of "
                 f"a {total}-element flat buffer over {world} ranks; this DeepSpeed version "
-                "partitions differently from what gefen_dist.deepspeed knows"
+                "partitions differently from what gefen_dist.integrations.deepspeed knows"
             )
         # Older DeepSpeed has no parameter alignment padding (nor these lists).
         metas = zo.round_robin_bit16_meta[i] if hasattr(zo, "round_robin_bit16_meta") else params
@@ -367,7 +367,7 @@ def _stage3(zo: DeepSpeedZeroOptimizer_Stage3) -> tuple[list[_Flat], dist.Proces
             raise RuntimeError(
                 f"ZeRO-3 sub-group {j}: flat partition has {flat.numel()} elements, its "
                 f"parameters' partitions {at}; this DeepSpeed version lays out sub-groups "
-                "differently from what gefen_dist.deepspeed knows"
+                "differently from what gefen_dist.integrations.deepspeed knows"
             )
         flats.append(_Flat(flat, int(zo.sub_group_to_group_id[j]), segs, labels))
     return flats, pg, zo._reassign_or_swap_out_partitioned_parameters

@@ -75,12 +75,9 @@ Maths is fp32 for fp32, bf16 and fp16 parameters and gradients.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from .codes import (
+from ..method.codes import (
     hash_bits,
     quantize,
     read_codes,
@@ -89,72 +86,12 @@ from .codes import (
     uniforms,
     write_codes,
 )
-from .segments import block_chunks, column_chunks
+from ..method.hyper import Hyper
+from ..method.segments import block_chunks, column_chunks
+from ..method.state import CROSS_FLOOR, SegmentState
 
 CHUNK = 1 << 17
-CROSS_FLOOR = 1e-2
 CROSS_CHUNK = 1 << 16
-MIN_CROSS_BLOCKS = 16
-
-
-@dataclass
-class Hyper:
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    step: int
-
-    @classmethod
-    def of(cls, group: dict, step: int) -> Hyper:
-        """A param group's values at ``step`` (a tensor lr read as its number)."""
-        beta1, beta2 = group["betas"]
-        return cls(
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            step=step,
-        )
-
-    @property
-    def step_size(self) -> float:
-        return self.lr / (1.0 - self.beta1**self.step)
-
-    @property
-    def bc2_sqrt(self) -> float:
-        return math.sqrt(1.0 - self.beta2**self.step)
-
-
-@dataclass
-class SegmentState:
-    """Views into a parameter's state tensors for one segment (see ``state.py``)."""
-
-    start: int
-    numel: int
-    block_size: int
-    codes: torch.Tensor | None = None
-    absmax: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    exp_avg: torch.Tensor | None = None
-    exp_avg_sq: torch.Tensor | None = None
-    v_cross: torch.Tensor | None = None
-
-
-def cross_length(block_size: int, tensor_numel: int) -> int:
-    """Entries of a tensor's ``v_cross``: its B positions for contiguous blocks, its rows for
-    column blocks; none for B = 1 or a tensor of fewer than MIN_CROSS_BLOCKS blocks, where the
-    factor would cost more than 4 / MIN_CROSS_BLOCKS bytes per parameter (and a tensor of two or
-    three blocks is better served by their own v's). A function of the tensor, not of the
-    piece, so every rank that holds a piece keeps the same entries."""
-    if block_size > 1:
-        return block_size if -(-tensor_numel // block_size) >= MIN_CROSS_BLOCKS else 0
-    if block_size < 0:
-        rows = -(-tensor_numel // -block_size)
-        return rows if -block_size >= MIN_CROSS_BLOCKS and rows > 1 else 0
-    return 0
 
 
 def cross_sums(

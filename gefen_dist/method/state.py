@@ -11,7 +11,7 @@ the concatenation of its segments' pieces in segment order:
   byte at 4 bits
 - ``absmax``, ``v`` fp32, one per block of segments with B > 1 (blocks cut at segment ends)
 - ``v_cross`` fp32, the second moment's factor across the blocks of the segment's tensor, all
-  ``reference.cross_length`` entries of it (a copy per piece where the tensor is spread over
+  ``cross_length`` entries of it (a copy per piece where the tensor is spread over
   ranks; ``reference``, the factor)
 - ``exp_avg``, ``exp_avg_sq`` bf16, one per element of segments with B = 1 (AdamW's m and v,
   rounded stochastically: ``reference.dense_update``)
@@ -25,16 +25,20 @@ loaded state may hold beyond this structure, and why: ``load_check``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from . import load_check
 from .codes import code_bytes
 from .partition import MAX_BLOCK
-from .reference import SegmentState, cross_length
 from .segments import Segment, num_blocks
 
 STATE_KEYS = load_check.KEYS
+CROSS_FLOOR = 1e-2
+"""The least a position's factor c may be (``backends.reference``, the factor: why)."""
+MIN_CROSS_BLOCKS = 16
+"""A tensor of fewer blocks keeps no ``v_cross``."""
 GROWING_KEYS = ("codes", "absmax", "v", "v_cross", "exp_avg", "exp_avg_sq")
 LAYOUT_COLS = 5
 DENSE_DTYPE = torch.bfloat16
@@ -200,3 +204,32 @@ def check_loaded(state: dict, segments: list[Segment], bits: int, name: str) -> 
             )
     load_check.check_distinct(state, name)
     load_check.check_values(state, name)
+
+
+@dataclass
+class SegmentState:
+    """Views into a parameter's state tensors for one segment (the module docstring)."""
+
+    start: int
+    numel: int
+    block_size: int
+    codes: torch.Tensor | None = None
+    absmax: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    v_cross: torch.Tensor | None = None
+
+
+def cross_length(block_size: int, tensor_numel: int) -> int:
+    """Entries of a tensor's ``v_cross``: its B positions for contiguous blocks, its rows for
+    column blocks; none for B = 1 or a tensor of fewer than MIN_CROSS_BLOCKS blocks, where the
+    factor would cost more than 4 / MIN_CROSS_BLOCKS bytes per parameter (and a tensor of two or
+    three blocks is better served by their own v's). A function of the tensor, not of the
+    piece, so every rank that holds a piece keeps the same entries."""
+    if block_size > 1:
+        return block_size if -(-tensor_numel // block_size) >= MIN_CROSS_BLOCKS else 0
+    if block_size < 0:
+        rows = -(-tensor_numel // -block_size)
+        return rows if -block_size >= MIN_CROSS_BLOCKS and rows > 1 else 0
+    return 0

@@ -7,24 +7,23 @@ imports, so the tests call it with ``device="cuda"`` and check the answer.
 
 Backends, as ``Gefen.backend`` names them:
 
-- ``auto``: the fastest that serves the tensors: the C++ kernel on CPU tensors (numba where no
-  compiler builds it), the Triton kernels on CUDA tensors; the reference where nothing does.
+- ``auto``: the fastest that serves the tensors: the C++ kernel on CPU tensors, the Triton
+  kernels on CUDA tensors; the reference where neither serves (no compiler, no triton).
 - ``native``: the same, but an unavailable kernel is an error instead of a fallback.
 - ``triton``: the Triton kernels on every tensor they support; under ``TRITON_INTERPRET=1``
   that includes CPU tensors, which is how CI runs the GPU kernels.
-- ``numba``, ``reference``: those, everywhere they serve.
+- ``reference``: the reference, everywhere.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-BACKENDS = ("auto", "native", "triton", "numba", "reference")
+BACKENDS = ("auto", "native", "triton", "reference")
 
 REPORT_NAMES = {
     "cpu": "native-cpu",
     "triton": "triton",
-    "numba": "numba",
     "reference": "reference",
 }
 """``memory_report()["backend"]`` per implementation."""
@@ -43,7 +42,6 @@ class Facts:
     triton_supports: bool = False
     triton_available: bool = False
     triton_why: str | None = None
-    numba_supports: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,10 +70,6 @@ def choose(backend: str, f: Facts) -> Choice:
                 f"backend='triton': the Triton kernels are unavailable: {f.triton_why}"
             )
         return Choice("triton")
-    if backend == "numba":
-        if not f.numba_supports:
-            raise RuntimeError(f"backend='numba' cannot update {f.device} tensors of these dtypes")
-        return Choice("numba")
     missing = None
     if f.device == "cuda" and f.triton_supports:
         if f.triton_available:
@@ -91,6 +85,4 @@ def choose(backend: str, f: Facts) -> Choice:
                 f"backend='native': the {missing[0]} kernels are unavailable: {missing[1]}"
             )
         raise RuntimeError(f"backend='native' has no kernel for {f.device} tensors of these dtypes")
-    if f.numba_supports:
-        return Choice("numba", missing)
     return Choice("reference", missing)

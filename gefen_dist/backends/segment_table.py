@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .codes import step_key
-from .reference import CROSS_FLOOR, Hyper, SegmentState
+from ..method.codes import step_key
+from ..method.hyper import Hyper
+from ..method.state import CROSS_FLOOR, SegmentState
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 META_COLS = 19

@@ -1,8 +1,9 @@
 """The C++ CPU backend (``csrc/gefen_cpu.cpp``): built on first use, loaded with ctypes.
 
-Why C++ and not the numba kernel it replaced as the default: its loops vectorise (the 4-bit
-midpoint count, the byte-pair decode) where numba's did not, and one call covers a whole step;
-numba stays as a fallback where no compiler is found. Why ctypes: the library
+Why C++: its loops vectorise (the 4-bit midpoint count, the byte-pair decode) and one call
+covers a whole step; on the demo GPT it steps 34-59x faster than the reference, where a numba
+port managed 1.6-1.9x and was retired (``benchmarks/backend_speed.py``). Where no compiler is
+found the reference serves. Why ctypes: the library
 has a plain C ABI, so it builds in a few seconds with the system's C++ compiler, without torch's
 headers, and one build serves every torch version.
 
@@ -31,12 +32,14 @@ from pathlib import Path
 
 import torch
 
+from ..method.hyper import Hyper
+from ..method.state import CROSS_FLOOR, SegmentState, cross_length
 from . import segment_table as table
-from .reference import CROSS_FLOOR, Hyper, SegmentState, cross_length, local_factor
+from .reference import local_factor
 
-_HERE = Path(__file__).resolve().parent
-PACKAGED = _HERE / "_csrc" / "gefen_cpu.cpp"  # a wheel's copy (setup.py)
-CHECKOUT = _HERE.parent / "csrc" / "gefen_cpu.cpp"  # a checkout's, or an editable install's
+_PACKAGE = Path(__file__).resolve().parents[1]
+PACKAGED = _PACKAGE / "_csrc" / "gefen_cpu.cpp"  # a wheel's copy (setup.py)
+CHECKOUT = _PACKAGE.parent / "csrc" / "gefen_cpu.cpp"  # a checkout's, or an editable install's
 SOURCE = PACKAGED if PACKAGED.exists() else CHECKOUT
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
@@ -109,7 +112,7 @@ def load() -> ctypes.CDLL | None:
     if _lib is None and _error is None:
         try:
             _lib = _build()
-        except Exception as e:  # any failure leaves the numba / reference backends in charge
+        except Exception as e:  # any failure leaves the reference in charge
             _error = f"{type(e).__name__}: {e}"
     return _lib
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import partition
+from ..method import partition
 
 
 def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -15,7 +15,7 @@ from . import segment_table as table
 from .kept_plan import KeptPlan
 
 if TYPE_CHECKING:
-    from .optimizer import Gefen
+    from ..optimizer import Gefen
 
 
 class CpuPlan(KeptPlan):

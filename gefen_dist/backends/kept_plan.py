@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import native_cpu, sharding
+from ..distributed import sharding
+from ..method.codes import step_key
+from ..method.hyper import Hyper
+from . import native_cpu
 from . import segment_table as table
-from .codes import step_key
-from .reference import Hyper
 
 if TYPE_CHECKING:
-    from .optimizer import Gefen
+    from ..optimizer import Gefen
 
 
 class KeptPlan:

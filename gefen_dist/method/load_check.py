@@ -69,10 +69,10 @@ moves, 0.2-0.3 of a CPU step on a 16M-element tensor (the kind of pass that taki
 sums inside the update removed, ``docs/step_time.md``), and under sharding an all-reduce per
 step so that every rank refuses together. The usual guards already
 catch it before ``step()``: GradScaler skips such steps under fp16 AMP, and
-``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)`` raises. ``check_gradients``
-does the same naming the parameters, agreeing over the optimizer's process group. A state a
-poisoned step left behind is refused by name when loaded, so such a checkpoint cannot resume
-a run unnoticed.
+``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)`` raises.
+``gefen_dist.check_gradients`` does the same naming the parameters, agreeing over the
+optimizer's process group. A state a poisoned step left behind is refused by name when loaded,
+so such a checkpoint cannot resume a run unnoticed.
 """
 
 from __future__ import annotations
@@ -260,44 +260,3 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local values (an FSDP2 checkpoint's replicated codebook may load as one)."""
     local = getattr(t, "_local_tensor", None)
     return t if local is None else local
-
-
-def check_gradients(optimizer: Any) -> None:
-    """Refuse, before ``optimizer.step()``, a step whose gradients hold NaN or inf: raises
-    ValueError naming the parameters, on every rank of the optimizer's process group where any
-    rank holds one, so that ranks skip or stop together instead of leaving the others waiting
-    in the step's collectives. Nothing is written: call it before ``step()``, and skip the step
-    with ``zero_grad()`` where it raises. Why opt-in: its read of every gradient costs 0.2-0.3
-    of a CPU step (module docstring). One fused norm per device, then ``isfinite`` only on the
-    gradients whose norm is not finite: a norm also overflows for finite |g| of 2**64 /
-    sqrt(numel), which are not refused."""
-    from .collectives import comm_device
-
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    grads = [_local(p.grad) for p in params]
-    bad: list[str] = []
-    by_device: dict[torch.device, list[int]] = {}
-    for i, g in enumerate(grads):
-        if g.numel():
-            by_device.setdefault(g.device, []).append(i)
-    for idx in by_device.values():
-        norms = torch.stack(torch._foreach_norm([grads[i] for i in idx])).float()
-        suspect = (~torch.isfinite(norms)).nonzero().view(-1).tolist()
-        for j in suspect:
-            i = idx[j]
-            if not bool(torch.isfinite(grads[i]).all()):
-                bad.append(optimizer._name(params[i]))
-    group = getattr(optimizer, "_group", None)
-    anywhere = bool(bad)
-    if group is not None:
-        import torch.distributed as dist
-
-        flag = torch.tensor([int(anywhere)], device=comm_device(group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        anywhere = bool(flag.item())
-    if anywhere:
-        where = ", ".join(bad) if bad else "a parameter on another rank"
-        raise ValueError(
-            f"non-finite gradient in {where}: the step would write NaN/inf into Gefen's state "
-            "and the parameters (check the loss; zero_grad() and skip the step to go on)"
-        )

@@ -4,9 +4,9 @@ Everything except the optimizer is a function of the seed (model init, batch ord
 validation batches are a function of a separate fixed seed, so two runs that differ only in
 the optimizer are a paired comparison.
 
-    python -m gefen_dist.train --optimizer adamw --steps 300
-    python -m gefen_dist.train --optimizer gefen --gefen-kwargs '{"bits": 4}'
-    python -m gefen_dist.train --compare --steps 300 --seed 0
+    python -m gefen_dist.demo.train --optimizer adamw --steps 300
+    python -m gefen_dist.demo.train --optimizer gefen --gefen-kwargs '{"bits": 4}'
+    python -m gefen_dist.demo.train --compare --steps 300 --seed 0
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import time
 
 import torch
 
-from gefen_dist.corpus import get_batch, load_corpus
-from gefen_dist.model import GPT, GPTConfig
+from gefen_dist.demo import loop
+from gefen_dist.demo.corpus import get_batch, load_corpus
+from gefen_dist.demo.loop import Trace, plain_step
+from gefen_dist.demo.model import GPT, GPTConfig
 from gefen_dist.schedule import warmup_cosine
 
 DEFAULTS: dict = dict(
@@ -161,33 +163,43 @@ def run(config: dict) -> dict:
         f"{name}: {model.num_params():,} params, {cfg['steps']} steps, batch {bs}x{T}, "
         f"seed {cfg['seed']}"
     )
-    curve = [dict(step=0, train_loss=None, val_loss=evaluate(model, val_batches))]
-    say(f"step {0:5d} | val {curve[0]['val_loss']:.4f}")
-    step_times: list[float] = []
-    window: list[float] = []
-    t_start = time.perf_counter()
-    for step in range(1, cfg["steps"] + 1):
-        t0 = time.perf_counter()
-        x, y = (t.to(dev) for t in get_batch(train_data, bs, T, g_train))
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-        lr = opt.param_groups[0]["lr"]
-        opt.step()
+    trace = Trace(curve=[dict(step=0, train_loss=None, val_loss=evaluate(model, val_batches))])
+    say(f"step {0:5d} | val {trace.curve[0]['val_loss']:.4f}")
+    lrs: list[float] = []
+
+    def step(s: int) -> float:
+        def loss_of() -> torch.Tensor:
+            x, y = (t.to(dev) for t in get_batch(train_data, bs, T, g_train))
+            return model(x, y)[1]
+
+        lrs.append(opt.param_groups[0]["lr"])
+        loss = plain_step(model, opt, loss_of, cfg["grad_clip"])
         sched.step()
-        window.append(loss.item())  # .item() syncs, so the step time below is honest on GPU too
-        step_times.append(time.perf_counter() - t0)
-        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
-            train_loss = sum(window) / len(window)
-            val_loss = evaluate(model, val_batches)
-            curve.append(dict(step=step, train_loss=train_loss, val_loss=val_loss))
-            ms = 1000 * sum(step_times[-len(window) :]) / len(window)
-            say(
-                f"step {step:5d} | train {train_loss:.4f} | val {val_loss:.4f} | "
-                f"lr {lr:.2e} | {ms:.1f} ms/step"
-            )
-            window = []
+        return loss
+
+    last = [0]
+
+    def report(s: int, trace: Trace) -> None:
+        if trace.curve[-1]["step"] != s:
+            return
+        p, n = trace.curve[-1], s - last[0]
+        ms = sum(trace.step_ms[-n:]) / n
+        say(
+            f"step {s:5d} | train {p['train_loss']:.4f} | val {p['val_loss']:.4f} | "
+            f"lr {lrs[-1]:.2e} | {ms:.1f} ms/step"
+        )
+        last[0] = s
+
+    t_start = time.perf_counter()
+    trace = loop.train(
+        step,
+        cfg["steps"],
+        lambda: dict(val_loss=evaluate(model, val_batches)),
+        lambda s: s % cfg["eval_every"] == 0 or s == cfg["steps"],
+        trace=trace,
+        after=report,
+    )
+    curve = trace.curve
     wall = time.perf_counter() - t_start
 
     return dict(
@@ -197,7 +209,7 @@ def run(config: dict) -> dict:
         final_train_loss=curve[-1]["train_loss"],  # mean over the last eval interval
         final_val_loss=curve[-1]["val_loss"],
         wall_time_s=wall,
-        step_time_median_ms=1000 * statistics.median(step_times),
+        step_time_median_ms=statistics.median(trace.step_ms),
         n_params=model.num_params(),
         **memory_summary(opt, model),
         torch_version=torch.__version__,
@@ -243,7 +255,7 @@ def _json_default(o):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d = DEFAULTS
     p = argparse.ArgumentParser(
-        prog="python -m gefen_dist.train",
+        prog="python -m gefen_dist.demo.train",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

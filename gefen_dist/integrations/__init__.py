@@ -1,0 +1,4 @@
+"""One module per framework, the only place that framework is imported: FSDP1/FSDP2 with DCP
+(``fsdp``), DeepSpeed ZeRO (``deepspeed``), and ``register``, which installs them. They import
+the optimizer; the optimizer reaches them only through ``optimizer.ON_CONSTRUCT`` and
+``ON_SHARDED``."""

@@ -1,0 +1,37 @@
+"""A param group's values at one step, as the update reads them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class Hyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+
+    @classmethod
+    def of(cls, group: dict, step: int) -> Hyper:
+        """A param group's values at ``step`` (a tensor lr read as its number)."""
+        beta1, beta2 = group["betas"]
+        return cls(
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            step=step,
+        )
+
+    @property
+    def step_size(self) -> float:
+        return self.lr / (1.0 - self.beta1**self.step)
+
+    @property
+    def bc2_sqrt(self) -> float:
+        return math.sqrt(1.0 - self.beta2**self.step)
