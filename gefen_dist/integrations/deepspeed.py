@@ -13,6 +13,11 @@ held back (their gradients kept, a transient of one fp32 gradient partition) and
 initialises and updates all groups at once, then republishes the earlier groups' weights to the
 low-precision copies ZeRO has already refreshed from them.
 
+Under pipeline parallelism (``PipelineEngine``, which allows ZeRO stages 0 and 1) each stage's
+Gefen steps that stage's partitions over the stage's data-parallel group, so its block sizes are
+those of a single process, and its codebook is learned from that stage's layers alone; a weight
+tied across stages (``TiedLayerSpec``) is refused, as its copies would drift apart.
+
 Importing this module registers Gefen as a ZeRO-supported optimizer (no
 ``zero_allow_untested_optimizer``) and makes ``deepspeed.initialize`` configure every engine built
 on a Gefen optimizer as soon as its ZeRO wrapper exists, before any step or checkpoint load.
@@ -390,6 +395,8 @@ def _refuse_unsupported(engine: DeepSpeedEngine | None, wrapper: Any) -> None:
             "from every optimizer-state tensor and merges them element by element, which would "
             "corrupt Gefen's per-block state; leave it false (the default)"
         )
+    if engine is not None:
+        _refuse_tied_stages(engine)
     if getattr(wrapper, "has_moe_layers", False):
         no("MoE layers are not supported (experts are partitioned over other process groups)")
     if getattr(wrapper, "zenflow", False):
@@ -402,6 +409,23 @@ def _refuse_unsupported(engine: DeepSpeedEngine | None, wrapper: Any) -> None:
                 "partial optimizer offload (offload_optimizer.ratio < 1) is not supported: part "
                 "of the sub-groups would be stepped by a separate backup optimizer"
             )
+
+
+def _refuse_tied_stages(engine: DeepSpeedEngine) -> None:
+    """A pipeline weight tied over stages (``TiedLayerSpec``) has one copy per stage, each stepped
+    by that stage's Gefen from the same all-reduced gradient. Each stage learns its codebook from
+    its own layers' first gradient, so the copies get different updates and drift apart (3e-3
+    in 6 steps at lr 3e-3 on the tiny GPT; AdamW keeps them equal)."""
+    tied = getattr(engine.module, "tied_comms", None) or {}
+    spread = {k: d["ranks"] for k, d in tied.items() if len(d["ranks"]) > 1}
+    if spread:
+        key, ranks = next(iter(spread.items()))
+        raise ValueError(
+            f"Gefen under DeepSpeed: pipeline weights tied across stages are not supported "
+            f"(TiedLayerSpec {key!r} has copies on global ranks {ranks}): each stage's Gefen "
+            "learns its own codebook, so the copies would get different updates and drift "
+            "apart; untie the weight, or keep every layer that shares it on one stage"
+        )
 
 
 def configure(target: Any) -> None:
@@ -594,6 +618,7 @@ def _install() -> None:
     if Gefen not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(Gefen)
     _install_config_type()
+    _refuse_on_configure()
     for name in (
         "_configure_zero_optimizer",
         "_configure_bf16_optimizer",
@@ -622,6 +647,24 @@ def _bind_on_return(name: str) -> None:
 
     build._gefen = True  # type: ignore[attr-defined]
     setattr(DeepSpeedEngine, name, build)
+
+
+def _refuse_on_configure() -> None:
+    """Without ZeRO (fp32) Gefen is no wrapper's inner optimizer and ``_bind`` never runs; the
+    checks that need no partitions run once the engine's optimizer is in place."""
+    original = DeepSpeedEngine._configure_optimizer
+    if getattr(original, "_gefen", False):
+        return
+
+    @functools.wraps(original)
+    def _configure_optimizer(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if isinstance(self.optimizer, Gefen):
+            _refuse_tied_stages(self)
+        return out
+
+    _configure_optimizer._gefen = True  # type: ignore[attr-defined]
+    DeepSpeedEngine._configure_optimizer = _configure_optimizer
 
 
 _install()
