@@ -1,16 +1,23 @@
 """One distributed training script for every launcher: a small GPT on the Python stdlib source.
 
 A YAML run config (``configs/run/*.yaml``) chooses the model size, data, steps, optimizer
-(Gefen or AdamW), bits and sharding (ddp, fsdp1, fsdp2, deepspeed with a ZeRO stage,
+(Gefen or AdamW), bits and sharding (ddp, fsdp1, fsdp2, hsdp, deepspeed with a ZeRO stage,
 accelerate); missing keys take the defaults in ``DEFAULTS`` and unknown or ill-typed keys stop
 the run before any process group starts, naming the key. The same file runs under::
 
     torchrun --nproc_per_node 2 launch/train.py --config configs/run/fsdp2.yaml
+    torchrun --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \
+        launch/train.py --config configs/run/hsdp.yaml     # on each of 2 nodes
     deepspeed --num_gpus 2 launch/train.py --config configs/run/deepspeed_zero2.yaml
     accelerate launch --multi_gpu --num_processes 2 launch/train.py \
         --config configs/run/accelerate.yaml    # CPU processes where there is no GPU
     ACCELERATE_USE_DEEPSPEED=true ACCELERATE_DEEPSPEED_CONFIG_FILE=configs/ds_zero2_auto_cpu.json \
         torchrun --nproc_per_node 2 launch/train.py --config configs/run/accelerate.yaml
+
+``hsdp`` is FSDP2 on a 2-D (replicate, shard) device mesh: parameters sharded within a group
+of ``sharding.mesh[1]`` ranks and replicated over ``sharding.mesh[0]`` such groups; the default
+``[0, 0]`` takes the launcher's layout, one shard group per node (LOCAL_WORLD_SIZE ranks) and
+one replica per node, which keeps the per-step all-gathers and reduce-scatters inside a node.
 
 Each rank trains on its GPU (LOCAL_RANK, NCCL) where torch sees one, else on the CPU (gloo);
 ``device: cpu`` in the config keeps GPUs out. Only the CPU runs here: the GPU path is written to
@@ -99,7 +106,7 @@ DEFAULTS: dict = {
         "min_lr_frac": 0.1,
         "grad_clip": 1.0,
     },
-    "sharding": {"mode": "ddp", "zero_stage": 2},
+    "sharding": {"mode": "ddp", "zero_stage": 2, "mesh": [0, 0]},
     "device": "auto",
     "checkpoint": {"dir": "", "save_at": 0, "every": 0, "resume": ""},
 }
@@ -107,7 +114,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "optimizer.name": ("gefen", "adamw"),
     "optimizer.bits": (4, 8),
-    "sharding.mode": ("ddp", "fsdp1", "fsdp2", "deepspeed", "accelerate"),
+    "sharding.mode": ("ddp", "fsdp1", "fsdp2", "hsdp", "deepspeed", "accelerate"),
     "sharding.zero_stage": (1, 2, 3),
 }
 POSITIVE = {"steps", "eval_every", "data.batch_size", "data.val_batches", "data.max_bytes",
@@ -116,6 +123,7 @@ LAUNCHERS = {
     "ddp": "torchrun --nproc_per_node 2",
     "fsdp1": "torchrun --nproc_per_node 2",
     "fsdp2": "torchrun --nproc_per_node 2",
+    "hsdp": "torchrun --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint HOST:29500",
     "deepspeed": "deepspeed --num_gpus 2",
     "accelerate": "accelerate launch --multi_gpu --num_processes 2",
 }
@@ -196,6 +204,7 @@ def check(cfg: dict, where: str) -> None:
             raise ConfigError(
                 f"{where}: key 'optimizer.{key}' = {o[key]!r} is refused by {o['name']}: {e}"
             ) from None
+    check_mesh(cfg, where)
     c = cfg["checkpoint"]
     if not 0 <= c["save_at"] <= cfg["steps"]:
         raise ConfigError(
@@ -215,6 +224,63 @@ def check(cfg: dict, where: str) -> None:
             f"this script (no step_NNNNNN/ with a {DONE} marker, nor a "
             f"{TRAINER_FILE.format(0)})"
         )
+
+
+def check_mesh(cfg: dict, where: str) -> None:
+    """``sharding.mesh``: [replicate, shard], both positive, or [0, 0] (one shard group per
+    node); only for hsdp; and, where the launcher has set WORLD_SIZE, a shape of that many ranks,
+    so that a wrong shape stops here and not in every rank's mesh setup."""
+    s = cfg["sharding"]
+    mesh = s["mesh"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in mesh):
+        raise ConfigError(
+            f"{where}: key 'sharding.mesh' must be two integers >= 0 [replicate, shard], "
+            f"got {mesh!r}"
+        )
+    if mesh != [0, 0] and 0 in mesh:
+        raise ConfigError(
+            f"{where}: key 'sharding.mesh' must be [replicate, shard] with both positive, or "
+            f"[0, 0] (one shard group per node), got {mesh!r}"
+        )
+    if mesh != [0, 0] and s["mode"] != "hsdp":
+        raise ConfigError(
+            f"{where}: key 'sharding.mesh' applies to sharding.mode 'hsdp' only "
+            f"(mode is {s['mode']!r}); leave it [0, 0]"
+        )
+    world = os.environ.get("WORLD_SIZE")
+    if s["mode"] == "hsdp" and world is not None:
+        shape = hsdp_shape(cfg, int(world), local_world_size())
+        if shape[0] * shape[1] != int(world):
+            raise ConfigError(
+                f"{where}: key 'sharding.mesh' = {mesh!r} is a mesh of {shape[0] * shape[1]} "
+                f"ranks, but the launcher started {world}"
+            )
+
+
+def local_world_size() -> int | None:
+    """Ranks per node, as the launcher says: torchrun's LOCAL_WORLD_SIZE, DeepSpeed's LOCAL_SIZE."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return None
+
+
+def hsdp_shape(cfg: dict, world: int, local_world: int | None) -> tuple[int, int]:
+    """(replicate, shard) of the hsdp mesh: the config's, or one shard group per node."""
+    mesh = cfg["sharding"]["mesh"]
+    if mesh != [0, 0]:
+        return mesh[0], mesh[1]
+    if local_world is None:
+        raise ConfigError(
+            "sharding.mesh [0, 0] shards within a node, but the launcher did not say how many "
+            "ranks a node runs (LOCAL_WORLD_SIZE): set sharding.mesh to [replicate, shard]"
+        )
+    if world % local_world:
+        raise ConfigError(
+            f"sharding.mesh [0, 0] shards within a node, but {world} ranks do not divide into "
+            f"nodes of {local_world}: set sharding.mesh to [replicate, shard]"
+        )
+    return world // local_world, local_world
 
 
 def is_complete(d: str | Path) -> bool:
@@ -495,7 +561,12 @@ def setup(cfg: dict, model: torch.nn.Module, device: torch.device):
         from torch.distributed.fsdp import fully_shard
 
         # the mesh on the rank's device: FSDP2's default takes a GPU wherever there is one
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        world = dist.get_world_size()
+        if mode == "hsdp":
+            shape = hsdp_shape(cfg, world, local_world_size())
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (world,))
         for block in model.transformer.h:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -576,6 +647,8 @@ def what_ran(cfg: dict, opt, engine, accelerator, device: torch.device) -> dict:
         distributed_type=cfg["sharding"]["mode"].upper(),
         optimizer=type(stepped(opt)).__name__,
     )
+    if cfg["sharding"]["mode"] == "hsdp":
+        ran["mesh"] = list(hsdp_shape(cfg, dist.get_world_size(), local_world_size()))
     if engine is not None:
         ran.update(distributed_type="DEEPSPEED", zero_stage=engine.zero_optimization_stage(),
                    gradient_clipping=engine.gradient_clipping())  # fmt: skip

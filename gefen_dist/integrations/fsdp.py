@@ -15,6 +15,10 @@ group; alignment and shard padding become unnamed segments of their own. With
 1-D piece (possibly empty): each gets one segment with the tensor's real shape and the piece's
 start. The optimizer then chooses the single-process block sizes and codebook on every rank.
 FSDP2 (DTensor parameters) needs nothing for training; the core reads DTensor layouts itself.
+Hybrid sharding (FSDP2 on a (replicate, shard) mesh, FSDP1 ``HYBRID_SHARD`` and
+``_HYBRID_SHARD_ZERO2``) spreads each tensor over the shard group only (FSDP1's
+``unit.process_group``, the mesh's Shard dimension); the replica groups see the same averaged
+gradient and each keeps its own, identical, copy of the state.
 
 Checkpoints. Gefen's state is not shaped like the parameter (packed codes, one scale and one v
 per block, bf16 moments only where B = 1) and it differs per rank. Both frameworks assume the
@@ -39,6 +43,10 @@ usual 0-dim ``"step"`` (and, for DTensor parameters, the codebook, which every r
   each entry carries an id of the run and its step, also stored once per parameter: an entry
   that did not come from the checkpoint being loaded (a loader that kept the rank's own value)
   is refused.
+- Under hybrid sharding the rank in an entry's key is the rank in the shard group, so every
+  replica group writes the same keys with the same contents, and DCP keeps one copy of each,
+  not necessarily all from one replica: the run id is therefore agreed over the replicate
+  group too (``_run_id``), and a rank may load its replica's entry.
 - A resumed run must have the same world size and FSDP wrapping: a block cut by a shard boundary
   keeps one scale and one v per piece, which cannot be re-cut exactly for other boundaries. Any
   other world size or layout fails at load with an error naming the parameter (DCP, asked for
@@ -78,7 +86,8 @@ __all__ = ["configure", "RANK_KEY"]
 RANK_KEY = "gefen.rank{}"
 RUN_KEY = "gefen.run"
 _FORMAT = "gefen-rank-state/1"
-_SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *_HYBRID)
 _SUPPORTED = (*_SHARDED, ShardingStrategy.NO_SHARD)
 
 
@@ -89,6 +98,7 @@ class _Integration:
     orig_pieces: set[torch.Tensor] = field(default_factory=set)
     flat_models: list[nn.Module] = field(default_factory=list)
     names: dict[torch.Tensor, str] = field(default_factory=dict)
+    replicas: dist.ProcessGroup | None = None  # HSDP: the ranks holding copies of our pieces
     run: str = ""
 
 
@@ -134,10 +144,14 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
         if unit.sharding_strategy not in _SUPPORTED:
             raise NotImplementedError(
                 f"FSDP unit {_unit_name(handle.flat_param)} uses {unit.sharding_strategy}; "
-                "gefen_dist.integrations.fsdp supports FULL_SHARD, SHARD_GRAD_OP and NO_SHARD"
+                "gefen_dist.integrations.fsdp supports FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, "
+                "_HYBRID_SHARD_ZERO2 and NO_SHARD"
             )
         fp = handle.flat_param
+        # under hybrid sharding, process_group is the intra-node shard group
         group = unit.process_group
+        if unit.sharding_strategy in _HYBRID:
+            integ.replicas = unit._inter_node_pg
         # NO_SHARD (FSDP's choice on one rank) keeps whole tensors on every rank: nothing to
         # merge over ranks, but the flat layout and FSDP1's handling of state are the same.
         spread = group if unit.sharding_strategy in _SHARDED else None
@@ -169,6 +183,7 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
             )
         if sharding.is_dtensor(p) and sharding.group_of(p) is not None:
             integ.sharded[p] = sharding.group_of(p)
+            integ.replicas = integ.replicas or sharding.replica_group_of(p)
     if not integ.sharded:
         raise ValueError(
             "configure found no FSDP-sharded parameter in the optimizer: wrap the model with "
@@ -178,7 +193,7 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
     fqn_of = {p: n for n, p in model.named_parameters()} if model is not None else {}
     for p in integ.sharded:
         integ.names.setdefault(p, f"parameter {fqn_of[p]!r}" if p in fqn_of else optimizer._name(p))
-    integ.run = _run_id(next(iter(integ.sharded.values())))
+    integ.run = _run_id(next(iter(integ.sharded.values())), integ.replicas)
     optimizer._gefen_fsdp = integ
     optimizer.register_state_dict_post_hook(_pack_state_dict)
     optimizer.register_load_state_dict_pre_hook(_unpack_state_dict, prepend=True)
@@ -225,12 +240,21 @@ def _piece_segment(fp: FlatParameter, i: int, fqn: str) -> Segment:
     return Segment(0, info.numel_in_shard, info.intra_param_start_idx, shape, fqn)
 
 
-def _run_id(group: dist.ProcessGroup) -> str:
+def _run_id(group: dist.ProcessGroup, replicas: dist.ProcessGroup | None = None) -> str:
     """One id per configured optimizer, the same on every rank. Each rank's entry and the
     checkpoint-wide ``RUN_KEY`` carry it, so an entry that did not come from the checkpoint
-    being loaded (a framework left this rank's own template value in place) is caught."""
+    being loaded (a framework left this rank's own template value in place) is caught.
+
+    Under HSDP every replica group writes the same keys and DCP keeps one copy of each, perhaps
+    the entry from one replica and ``RUN_KEY`` from another: so the replicas agree on one id too.
+    Each replicate group holds one rank of every replica, so the least of their ids is the same
+    in every replicate group, whatever the order of the mesh."""
     box = [uuid.uuid4().hex]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    if replicas is not None and dist.get_world_size(replicas) > 1:
+        every: list[Any] = [None] * dist.get_world_size(replicas)
+        dist.all_gather_object(every, box[0], group=replicas)
+        box[0] = min(every)
     return box[0]
 
 
