@@ -35,7 +35,7 @@ from .backends.reference import (
     dense_update,
 )
 from .distributed import collectives, sharding
-from .method import state
+from .method import portable, state
 from .method.codes import midpoints
 from .method.hyper import Hyper
 from .method.segments import Segment
@@ -550,10 +550,17 @@ class Gefen(Optimizer):
                     f"the optimizer's has {len(group['params'])}"
                 )
             bits = saved.get("bits", group["bits"])
+            if bits != group["bits"]:
+                raise ValueError(
+                    f"a saved param group holds bits={bits} state, this optimizer's group was "
+                    f"built with bits={group['bits']}: build Gefen with bits={bits} to resume "
+                    "it (the width is the state's size, so a load never changes it)"
+                )
             for pid, p in zip(saved["params"], group["params"], strict=True):
                 if pid in saved_state:
                     segs = opt._segments_for(p)
                     saved_p = state.upgrade(saved_state[pid], segs)
+                    saved_p = portable.fit(saved_p, segs, bits, opt._name(p))
                     state.check_loaded(saved_p, segs, bits, opt._name(p))
                     install.append((p, saved_p))
         opt._pending_install = install

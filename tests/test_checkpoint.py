@@ -85,10 +85,20 @@ def test_state_dict_into_a_different_model_names_the_parameter():
     _, opt = _trained()
     sd = opt.state_dict()
     other = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
-    opt2 = Gefen(list(other.named_parameters()), lr=3e-3)
+    opt2 = Gefen(list(other.named_parameters()), lr=3e-3, bits=8)
     with pytest.raises(ValueError, match=r"'transformer.wte.weight'.*different model"):
         opt2.load_state_dict(sd)
     assert not opt2.state  # nothing half-loaded
+
+
+def test_a_checkpoint_of_another_bit_width_is_refused():
+    """The width is the state's size: a 4-bit checkpoint never turns an 8-bit Gefen into a
+    4-bit one behind the user's back (torch's loader would install the saved group's bits)."""
+    _, opt = _trained(bits=4)
+    opt2 = Gefen(list(GPT(TINY).named_parameters()), lr=3e-3, bits=8)
+    with pytest.raises(ValueError, match="holds bits=4 state.*built with bits=8"):
+        opt2.load_state_dict(opt.state_dict())
+    assert not opt2.state
 
 
 def test_state_dict_with_other_bits_is_refused():
@@ -122,7 +132,7 @@ def test_corrupted_state_is_refused():
     _, opt = _trained()
     sd = opt.state_dict()
     sd["state"][4] = dict(sd["state"][4], codes=sd["state"][4]["codes"][:-1])
-    opt2 = Gefen(list(GPT(TINY).named_parameters()))
+    opt2 = Gefen(list(GPT(TINY).named_parameters()), bits=8)
     with pytest.raises(ValueError, match=r"c_attn.weight.*'codes'"):
         opt2.load_state_dict(sd)
 
@@ -137,7 +147,7 @@ def test_a_codebook_the_kernels_cannot_search_is_refused(how):
     else:
         levels[[2, 9]] = levels[[9, 2]]
     sd["state"][4] = dict(sd["state"][4], codebook=levels)
-    opt2 = Gefen(list(GPT(TINY).named_parameters()))
+    opt2 = Gefen(list(GPT(TINY).named_parameters()), bits=8)
     with pytest.raises(ValueError, match=r"c_attn.weight.*finite, strictly increasing"):
         opt2.load_state_dict(sd)
     assert not opt2.state
@@ -146,7 +156,7 @@ def test_a_codebook_the_kernels_cannot_search_is_refused(how):
 def test_bf16_model_state_keeps_its_dtypes_through_load():
     model, opt = _trained(dtype=torch.bfloat16)
     sd = opt.state_dict()
-    opt2 = Gefen(list(model.named_parameters()), lr=3e-3)
+    opt2 = Gefen(list(model.named_parameters()), lr=3e-3, bits=8)
     opt2.load_state_dict(sd)
     for p in model.parameters():
         a, b = opt.state[p], opt2.state[p]
@@ -160,7 +170,7 @@ def test_load_restores_lr_and_codebook_for_late_params():
     sd = opt.state_dict()
     sd["param_groups"][0]["lr"] = 1e-4
     model2 = GPT(TINY)
-    opt2 = Gefen(list(model2.named_parameters()), lr=3e-3)
+    opt2 = Gefen(list(model2.named_parameters()), lr=3e-3, bits=8)
     opt2.load_state_dict(sd)
     assert opt2.param_groups[0]["lr"] == 1e-4
     extra = torch.zeros(100, 96, requires_grad=True)
@@ -201,7 +211,7 @@ def test_a_loaded_state_shares_one_codebook_and_keeps_a_foreign_one(tmp_path):
     torch.save(opt.state_dict(), tmp_path / "opt.pt")
     sd = torch.load(tmp_path / "opt.pt", weights_only=True)
     sd["state"][0]["codebook"] = sd["state"][0]["codebook"].clone()  # as one copy per tensor
-    opt2 = Gefen(GPT(TINY).parameters(), lr=3e-3)
+    opt2 = Gefen(GPT(TINY).parameters(), lr=3e-3, bits=8)
     opt2.load_state_dict(sd)
     assert len(_codebook_storages(opt2)) == 1
     first = next(iter(opt.state.values()))["codebook"]
@@ -210,7 +220,7 @@ def test_a_loaded_state_shares_one_codebook_and_keeps_a_foreign_one(tmp_path):
     foreign = sd["state"][1]["codebook"].clone()
     foreign[1:-1] *= 0.5  # its ends stay at -1 and +1 (gefen_dist.method.load_check)
     sd["state"][1]["codebook"] = foreign
-    opt3 = Gefen(GPT(TINY).parameters(), lr=3e-3)
+    opt3 = Gefen(GPT(TINY).parameters(), lr=3e-3, bits=8)
     opt3.load_state_dict(sd)
     states = [st for st in opt3.state.values() if st]
     assert len(_codebook_storages(opt3)) == 2

@@ -19,6 +19,7 @@ LAYERS = {
     "gefen_dist": 3,
     "gefen_dist.integrations": 4,
     "gefen_dist.demo": 5,
+    "gefen_dist.checkpoint": 5,
     "gefen_dist.bench": 6,
 }
 """Who may import whom: a module imports only modules of its own layer or a lower one. The method

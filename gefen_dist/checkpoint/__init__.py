@@ -1,0 +1,157 @@
+"""Checkpoints at any layout: consolidate Gefen's per-rank state into one process's.
+
+Gefen's sharded checkpoints keep each rank's state as saved, which resumes bit for bit at the
+same layout (``integrations.fsdp``). To resume on another number of ranks, or in one process,
+``consolidate`` puts every rank's pieces of each tensor together into the state a single
+process keeps for the whole tensor (``method.portable``: what is exact, what is merged). That
+state loads anywhere: into one process with ``opt.load_state_dict`` / ``set_optimizer_state_dict``,
+and into FSDP2 at any world size, where each rank cuts its piece from it.
+
+From the command line, for a DCP checkpoint directory (FSDP2's ``dcp.save``, or
+``launch/train.py``'s)::
+
+    python -m gefen_dist.checkpoint consolidate CKPT_DIR OUT.pt
+    python -m gefen_dist.checkpoint inspect CKPT_DIR
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..integrations.fsdp import _FORMAT, RUN_KEY
+from ..method import portable
+from ..method.segments import Segment
+
+__all__ = ["consolidate", "gefen_entries", "load_optimizer", "read_dcp"]
+
+_RANK_PREFIX = "gefen.rank"
+
+
+def read_dcp(path: str | Path) -> dict[str, Any]:
+    """A DCP checkpoint directory as one nested dict in this process (no process group
+    needed): DTensors come back whole, Gefen's per-rank entries as the bytes they were."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = Path(path)
+    if not (path / ".metadata").exists():
+        raise FileNotFoundError(f"{path} is not a DCP checkpoint directory (no .metadata)")
+    buf = Path(path) / ".gefen_consolidate.tmp"
+    try:
+        dcp_to_torch_save(path, buf)
+        return torch.load(buf, weights_only=True)
+    finally:
+        buf.unlink(missing_ok=True)
+
+
+def gefen_entries(tree: Any, where: str = "") -> list[tuple[str, dict]]:
+    """Every parameter entry holding Gefen per-rank state in a nested checkpoint dict, with its
+    path ('optim.state.fc.weight')."""
+    out = []
+    if isinstance(tree, Mapping):
+        if any(isinstance(k, str) and k.startswith(_RANK_PREFIX) for k in tree):
+            return [(where, tree)]
+        for k, v in tree.items():
+            out += gefen_entries(v, f"{where}.{k}" if where else str(k))
+    return out
+
+
+def _payload(blob: Any, key: str, where: str) -> dict:
+    if not isinstance(blob, bytes):
+        raise ValueError(f"{where}: {key!r} is {type(blob).__name__}, expected bytes")
+    try:
+        payload = torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception as e:
+        msg = f"{where}: {key!r} is not a readable state ({type(e).__name__}: {e})"
+        raise ValueError(msg) from None
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+        raise ValueError(f"{where}: {key!r} is not a {_FORMAT} entry")
+    return payload
+
+
+def consolidate_entry(entry: Mapping[str, Any], where: str) -> dict[str, torch.Tensor] | None:
+    """One parameter's per-rank entries as the single-process state of the whole tensor, or
+    None where no rank had stepped it. Every rank of the saving world must be there."""
+    keys = sorted((k for k in entry if k.startswith(_RANK_PREFIX)), key=lambda k: int(k[10:]))
+    payloads = [_payload(entry[k], k, where) for k in keys]
+    world = {p["world_size"] for p in payloads}
+    runs = {p["run"] for p in payloads} | {entry.get(RUN_KEY)}
+    if len(world) != 1 or len(runs) != 1:
+        raise ValueError(f"{where}: its entries come from different runs or world sizes")
+    (n,) = world
+    ranks = sorted(p["rank"] for p in payloads)
+    if ranks != list(range(n)):
+        missing = sorted(set(range(n)) - set(ranks))
+        raise ValueError(f"{where}: the checkpoint lacks the state of rank(s) {missing} of {n}")
+    stepped = [p for p in payloads if p["step"] is not None]
+    if not stepped:
+        return None
+    parts, shapes = [], set()
+    for p in stepped:
+        st = {**p["tensors"], "step": torch.tensor(p["step"])}
+        if "codebook" not in st:  # a DTensor parameter's codebook, kept beside the entries
+            st["codebook"] = entry["codebook"]
+        segs = [Segment(o, m, s, tuple(sh), name) for o, m, s, sh, name in p["segments"]]
+        shapes |= {(s.name, s.shape) for s in segs if s.name}
+        parts += portable.export(st, segs)
+    tensors = portable.merge(parts)
+    if len(tensors) != 1:
+        raise ValueError(
+            f"{where}: holds pieces of {len(tensors)} tensors ({sorted(tensors)}); a "
+            "single-process state is per tensor (an FSDP1 flat parameter's checkpoint: "
+            "save it with use_orig_params=True)"
+        )
+    (ts,) = tensors.values()
+    gaps = ts.missing()
+    if gaps:
+        raise ValueError(f"{where}: no rank holds elements {gaps} of {ts.shape}")
+    return portable.install(tensors, [Segment(0, ts.numel, 0, ts.shape, ts.name)], "cpu")
+
+
+def consolidate(tree: Any) -> tuple[Any, list[str]]:
+    """``tree`` with every Gefen per-rank entry replaced by the whole tensor's single-process
+    state; returns it and the paths of the entries it consolidated."""
+    done = []
+
+    def walk(t: Any, where: str) -> Any:
+        if not isinstance(t, Mapping):
+            return t
+        if any(isinstance(k, str) and k.startswith(_RANK_PREFIX) for k in t):
+            done.append(where)
+            return consolidate_entry(t, where) or {}
+        return {k: walk(v, f"{where}.{k}" if where else str(k)) for k, v in t.items()}
+
+    return walk(tree, ""), done
+
+
+def load_optimizer(opt: torch.optim.Optimizer, model: torch.nn.Module, osd: Mapping) -> None:
+    """Load a consolidated optimizer state dict (keyed by parameter FQN, as DCP's
+    ``get_state_dict`` writes it) into ``opt`` at this process's layout: one process, or each
+    rank of an FSDP2 run of any world size, which cuts its piece of every tensor's state."""
+    fqn = {p: n for n, p in model.named_parameters()}
+    saved_groups = osd["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"the checkpoint has {len(saved_groups)} param groups, the optimizer "
+            f"{len(opt.param_groups)}"
+        )
+    state, groups, i = {}, [], 0
+    for group, saved in zip(opt.param_groups, saved_groups, strict=True):
+        names = [fqn.get(p) for p in group["params"]]
+        if names != list(saved["params"]):
+            raise ValueError(
+                f"the checkpoint's param group holds {list(saved['params'])[:4]}..., the "
+                f"optimizer's {names[:4]}...: another model, or another param-group order"
+            )
+        ids = []
+        for name in names:
+            if name in osd["state"] and osd["state"][name]:
+                state[i] = osd["state"][name]
+            ids.append(i)
+            i += 1
+        groups.append({**saved, "params": ids})
+    opt.load_state_dict({"state": state, "param_groups": groups})
