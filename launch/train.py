@@ -35,8 +35,13 @@ every ``checkpoint.every`` steps where that is set, through each framework's own
 torch.save by rank 0, FSDP1/FSDP2 torch.distributed.checkpoint, DeepSpeed
 ``engine.save_checkpoint``, Accelerate ``save_state``; every rank adds its step, data generator
 and loss curve. ``--resume DIR`` continues that run from the newest complete checkpoint in DIR
-(or from DIR itself, where it is one): same config (``checkpoint.*`` aside), same launcher and
-world size, and the same losses as a run never stopped.
+(or from DIR itself, where it is one): same config (``checkpoint.*`` aside) and launcher. At
+the same world size it continues with the same losses as a run never stopped. DDP and FSDP2
+runs also resume at another world size (``ELASTIC``): the model reshards through DCP, and
+Gefen's per-rank state is consolidated into each tensor's whole state and re-cut for the new
+ranks (``gefen_dist.checkpoint``, ``docs/checkpoints.md``: how close that is); each rank keeps
+the step, the lr schedule and the curve, and draws its batches from a generator seeded by the
+seed, the step and its new rank, since the old ranks' streams do not map onto new ones.
 
 A save can be cut short by a killed rank at any point, and must then never pass for a complete
 one, whatever the framework wrote (DCP's ``.metadata``, DeepSpeed's ``latest``). So every save of
@@ -393,9 +398,14 @@ def check_launcher(cfg: dict, argv: list[str]) -> None:
     )
 
 
+ELASTIC = ("ddp", "fsdp2")
+"""Sharding modes whose checkpoints resume at another world size (module docstring)."""
+
+
 def check_resume(cfg: dict) -> None:
-    """A resumed run must repeat the saved run's settings: any other model, data, schedule or
-    world size would not continue the same sequence, and would fail later and less clearly."""
+    """A resumed run must repeat the saved run's settings: any other model, data or schedule
+    would not continue the same run, and would fail later and less clearly. Another world size
+    is refused only where the mode's checkpoints cannot be re-cut (not in ``ELASTIC``)."""
     d = find_checkpoint(cfg["checkpoint"]["resume"])
     saved = torch.load(d / TRAINER_FILE.format(0), weights_only=True)
     old, new = _flat(saved["config"]), _flat(cfg)
@@ -405,8 +415,12 @@ def check_resume(cfg: dict) -> None:
         if not k.startswith("checkpoint.") and old.get(k) != new.get(k)
     ]
     world = os.environ.get("WORLD_SIZE")
-    if world is not None and int(world) != saved["world_size"]:
-        differ.append(f"world size: {saved['world_size']} saved, {world} now")
+    mode = cfg["sharding"]["mode"]
+    if world is not None and int(world) != saved["world_size"] and mode not in ELASTIC:
+        differ.append(
+            f"world size: {saved['world_size']} saved, {world} now (sharding.mode {mode!r} "
+            f"resumes only at its own world size; {', '.join(ELASTIC)} resume at any)"
+        )
     if differ:
         raise ConfigError(
             f"checkpoint.resume {str(d)!r}: a resumed run needs the saved run's config and world "
@@ -781,6 +795,8 @@ def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device)
         ck = torch.load(d / "ddp.pt", map_location=device, weights_only=True)
         model.module.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optim"])
+    elif saved_world(d) != dist.get_world_size():
+        load_elsewhere(d / "dcp", model, opt)
     else:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -788,7 +804,38 @@ def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device)
         msd, osd = get_state_dict(model, opt)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(d / "dcp"))
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-    return torch.load(d / TRAINER_FILE.format(dist.get_rank()), weights_only=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if saved_world(d) == world:
+        return torch.load(d / TRAINER_FILE.format(rank), weights_only=True)
+    trainer = torch.load(d / TRAINER_FILE.format(0), weights_only=True)
+    gen = torch.Generator().manual_seed(1000 * cfg["seed"] + 7919 * trainer["step"] + rank)
+    return {**trainer, "data_rng": gen.get_state(), "world_size": world}
+
+
+def saved_world(d: Path) -> int:
+    """The world size that wrote checkpoint ``d`` (its marker; a legacy flat checkpoint's
+    trainer file)."""
+    marker = d / DONE
+    if marker.exists():
+        return int(json.loads(marker.read_text())["world_size"])
+    return int(torch.load(d / TRAINER_FILE.format(0), weights_only=True)["world_size"])
+
+
+def load_elsewhere(dcp_dir: Path, model, opt) -> None:
+    """An FSDP2 checkpoint of another world size: the model through DCP, which reshards
+    DTensors itself, and Gefen's state consolidated from every saved rank and re-cut for this
+    rank's pieces (``gefen_dist.checkpoint``). Every rank reads the whole optimizer state once
+    (0.5-1 byte per parameter)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from gefen_dist import checkpoint
+
+    msd = get_model_state_dict(model)
+    dcp.load({"model": msd}, checkpoint_id=str(dcp_dir))
+    set_model_state_dict(model, msd)
+    osd, _ = checkpoint.consolidate(checkpoint.read_dcp(dcp_dir, prefix="optim.")["optim"])
+    checkpoint.load_optimizer(opt, model, osd)
 
 
 def _hash_tensor(h, name: str, t: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ LAUNCH_ENV = {
 }
 
 
-def _launcher(name: str, cfg: Path, out: Path, *extra: str) -> list[str]:
+def _launcher(name: str, cfg: Path, out: Path, *extra: str, nproc: int = 2) -> list[str]:
     args = [str(TRAIN), "--config", str(cfg), "--set", "steps=3", "--set", "model.n_layer=1",
             "--no-progress", "--out", str(out), *extra]  # fmt: skip
     port = str(free_port())
@@ -33,16 +33,16 @@ def _launcher(name: str, cfg: Path, out: Path, *extra: str) -> list[str]:
     if name.startswith("accelerate:"):  # an Accelerate config file instead of --multi_gpu
         return ["accelerate", "launch", "--config_file", name.split(":", 1)[1],
                 f"--main_process_port={port}", *args]  # fmt: skip
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             f"--master_port={port}", *args]  # fmt: skip
 
 
 def _launch(
-    launcher: str, config: str, out: Path, *extra: str, ok: bool = True
+    launcher: str, config: str, out: Path, *extra: str, ok: bool = True, nproc: int = 2
 ) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **LAUNCH_ENV.get(launcher, {})}
-    p = subprocess.run(_launcher(launcher, CONFIGS / config, out, *extra), env=env,
-                       capture_output=True, text=True, timeout=400)  # fmt: skip
+    cmd = _launcher(launcher, CONFIGS / config, out, *extra, nproc=nproc)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert (p.returncode == 0) == ok, p.stdout[-3000:] + p.stderr[-6000:]
     return p
 
@@ -294,3 +294,29 @@ def test_accelerate_deepspeed_refuses_a_config_that_builds_another_optimizer(tmp
                 "--set", "optimizer.name=adamw", ok=False)  # fmt: skip
     assert "optimizer.name is 'adamw'" in p.stderr and "'Gefen'" in p.stderr, p.stderr[-3000:]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("config", ["fsdp2.yaml", "ddp.yaml"])
+def test_a_run_resumes_at_another_world_size(config, tmp_path):
+    """Saved by 2 ranks at step 3 of 6, resumed by 1 and (FSDP2) by 4: the run continues from
+    the saved step and curve and its loss goes on falling; under DDP the one rank holds the
+    saved state's bytes exactly (whole tensors, the saved blocks: a run started on one rank
+    would choose its blocks from other batches). The Gefen state's re-cut is tested step by
+    step in tests/test_elastic.py; here it is the launcher's path: DCP for the model, the
+    consolidated optimizer state, a new data stream."""
+    ck = tmp_path / "ck"
+    six = [*TINY, "--set", "steps=6"]
+    _launch("torchrun", config, tmp_path / "saving.json", *six,
+            "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.save_at=3")  # fmt: skip
+    saving = json.loads((tmp_path / "saving.json").read_text())
+    for world in (1, 4) if config == "fsdp2.yaml" else (1,):
+        out = tmp_path / f"resumed{world}.json"
+        _launch("torchrun", config, out, *six, "--resume", str(ck), nproc=world)
+        resumed = json.loads(out.read_text())
+        assert resumed["resumed_from_step"] == 3 and resumed["world_size"] == world
+        assert len(resumed["ranks"]) == world
+        assert resumed["curve"][:4] == saving["curve"][:4]
+        assert [c["step"] for c in resumed["curve"]] == list(range(7))
+        assert resumed["curve"][-1]["val_loss"] < resumed["curve"][3]["val_loss"]
+        if config == "ddp.yaml":
+            assert resumed["ranks"][0]["state_bytes"] == saving["ranks"][0]["state_bytes"]

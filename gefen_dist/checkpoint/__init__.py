@@ -32,20 +32,24 @@ __all__ = ["consolidate", "gefen_entries", "load_optimizer", "read_dcp"]
 _RANK_PREFIX = "gefen.rank"
 
 
-def read_dcp(path: str | Path) -> dict[str, Any]:
-    """A DCP checkpoint directory as one nested dict in this process (no process group
-    needed): DTensors come back whole, Gefen's per-rank entries as the bytes they were."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def read_dcp(path: str | Path, prefix: str = "") -> dict[str, Any]:
+    """A DCP checkpoint directory (only its keys under ``prefix``, e.g. ``"optim."``) as one
+    nested dict in this process: DTensors come back whole, Gefen's per-rank entries as the bytes
+    they were. Run by every rank of a process group together (DCP coordinates the read), or
+    by one process with none."""
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     path = Path(path)
     if not (path / ".metadata").exists():
         raise FileNotFoundError(f"{path} is not a DCP checkpoint directory (no .metadata)")
-    buf = Path(path) / ".gefen_consolidate.tmp"
-    try:
-        dcp_to_torch_save(path, buf)
-        return torch.load(buf, weights_only=True)
-    finally:
-        buf.unlink(missing_ok=True)
+    keys = {k for k in FileSystemReader(path).read_metadata().state_dict_metadata}
+    keys = {k for k in keys if k.startswith(prefix)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        return _load_state_dict_from_keys(keys, checkpoint_id=str(path))
 
 
 def gefen_entries(tree: Any, where: str = "") -> list[tuple[str, dict]]:
