@@ -386,32 +386,14 @@ def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None]) -> StepPl
         plan.launches.append(
             Launch("col_finish_kernel", n, *at, put_prefix(counts), sum(counts), {"CB": COL_FINISH})
         )
-    counts = [_cdiv(st.numel, TILE) for *_, st in rest]
-    plan.launches.append(
-        Launch(
-            "apply_kernel",
-            len(rest),
-            m_at,
-            h_at,
-            aux_at,
-            put_prefix(counts),
-            sum(counts),
-            {"TILE": TILE},
+    for kernel, counts in (
+        ("apply_kernel", [_cdiv(st.numel, TILE) for *_, st in rest]),  # a program per tile
+        ("commit_kernel", [_cdiv(nb, TILE) for nb in nbs]),  # a program per tile of blocks
+    ):
+        at_counts = (put_prefix(counts), sum(counts))
+        plan.launches.append(
+            Launch(kernel, len(rest), m_at, h_at, aux_at, *at_counts, {"TILE": TILE})
         )
-    )
-    counts = [_cdiv(nb, TILE) for nb in nbs]
-    plan.launches.append(
-        Launch(
-            "commit_kernel",
-            len(rest),
-            m_at,
-            h_at,
-            aux_at,
-            put_prefix(counts),
-            sum(counts),
-            {"TILE": TILE},
-        )
-    )
     plan.ints.extend(ints)
     plan.floats.extend(floats)
     return plan
