@@ -31,15 +31,11 @@ gefen_dist.register()
 
 TINY = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=64)
 STEPS, SAVE_AT, MICRO = 6, 3, 2
-PARAMS = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "bits": 4}
-CONFIG = {
-    "train_micro_batch_size_per_gpu": 4,
-    "gradient_accumulation_steps": MICRO,
-    "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; the reference does not clip
-    "steps_per_print": 10**6,
-    "optimizer": {"type": "Gefen", "params": PARAMS},
-    "zero_optimization": {"stage": 1},
-}
+CONFIG = json.loads((Path(__file__).parents[2] / "configs/ds_pipeline_zero1_cpu.json").read_text())
+"""The shipped config: ZeRO-1, Gefen from the JSON, no clipping (DeepSpeed's default is 1.0;
+the reference does not clip), MICRO micro-batches per step."""
+PARAMS = CONFIG["optimizer"]["params"]
+assert CONFIG["gradient_accumulation_steps"] == MICRO
 
 
 class Embed(nn.Module):
