@@ -34,10 +34,24 @@ key is refused with the list of valid ones (DeepSpeed would pass it on as a Type
 value of the wrong JSON type, by its key (an "auto" only Accelerate or the Trainer resolve).
 
 Checkpoints: ZeRO's rigid checkpoints (the default) carry each rank's ``Gefen.state_dict()``
-unchanged and load it through Gefen's own hooks, so a resume is exact. A state fits only the same
-partitions: DeepSpeed itself refuses a changed data-parallel world size, and the state dict records
-wrapper, rank and world size, so a ZeRO-3 state offered to ZeRO-1/2 (or the reverse) is named as
-such; between ZeRO-1, ZeRO-2 and BF16_Optimizer Gefen's own check compares the segments.
+unchanged, with the rank's segments (by tensor name) in its ``META_KEY`` entry, and load it
+through Gefen's own hooks, so a resume at the same data-parallel degree is exact; between ZeRO-1,
+ZeRO-2 and BF16_Optimizer Gefen's own check compares the segments.
+
+At another data-parallel degree, or between ZeRO-3 and ZeRO-1/2, DeepSpeed 0.19.8 cannot resume
+on its own: ``_load_zero_checkpoint`` raises ZeRORuntimeException for optimizer states at another
+degree; with ``load_optimizer_states=False`` ZeRO-1/2 would take the master weights from the
+model file's low-precision copy and ZeRO-3 finds no ``zero_pp_rank_{r}_model_states.pt`` for a
+new rank r; the two layouts name their model files differently, so a stage change finds none.
+So ``engine.load_checkpoint`` is wrapped: when the saved degree or ZeRO-3-ness differs from the
+engine's, every rank reads all the saved ranks' files, checks them (every rank's file there and
+readable, the same tensor names and shapes as this model, every Gefen entry whole) before
+anything is changed, then writes its own fp32 master partition from the saved ones (exact),
+republishes the low-precision copies, and cuts its Gefen state from every saved piece with
+``method.portable`` (exact where a block piece was saved as it is; its docstring says what is
+merged or split). Buffers, the learning-rate scheduler, the step counters and the client state
+come from the model file as DeepSpeed's own load takes them. Not covered there (refused by
+name): frozen parameters, BF16_Optimizer, checkpoints saved before the segments were recorded.
 ``elastic_checkpoint`` is refused: it cuts every state tensor by the partition padding and merges
 state element by element, which would corrupt block state; so is universal-checkpoint loading,
 which restores only element-wise state keys and would silently drop Gefen's.
@@ -47,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,14 +69,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.checkpoint.constants import (
+    BASE_OPTIMIZER_STATE,
+    CLIP_GRAD,
+    FP32_FLAT_GROUPS,
+    OPTIMIZER_STATE_DICT,
+    SINGLE_PARTITION_OF_FP32_GROUPS,
+    ZERO_STAGE,
+)
 from deepspeed.runtime import config as ds_config
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.zero import utils as zero_utils
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+from ..method import portable
 from ..method.segments import Segment
+from ..method.state import allocate, bits_of, check_loaded
 from ..optimizer import Gefen
 from ..validation import is_real
 
@@ -175,7 +201,20 @@ class _Binding:
         return {"wrapper": self.kind, "rank": self.rank, "world_size": self.world_size}
 
     def _add_meta(self, opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return {**state_dict, META_KEY: self._meta()}
+        """The rank's segments, by tensor name, in state-dict order: what a resume at another
+        layout needs to take this rank's state and master weights apart (``_Recut``)."""
+        flats = []
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            i = self._index.get(id(p))
+            if i is None:
+                continue
+            f = self.flats[i]
+            segs = [
+                [s.offset, s.numel, s.start, list(s.shape), label]
+                for s, label in zip(f.segments, f.labels, strict=True)
+            ]
+            flats.append({"buffer": i, "segments": segs})
+        return {**state_dict, META_KEY: {**self._meta(), "flats": flats}}
 
     def _check_meta(self, opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
         """ZeRO-1, ZeRO-2 and BF16_Optimizer lay partitions out alike, so a state may move
@@ -200,9 +239,8 @@ class _Binding:
                 f"{saved['world_size']} and is being loaded into {here['wrapper']} on rank "
                 f"{here['rank']} of {here['world_size']}. Gefen's state is laid out in blocks over "
                 "each rank's partition (blocks cut at partition ends keep their own second moment "
-                "and scale) and is not re-partitioned: resume with the same ZeRO stage and world "
-                "size, or load the weights only (load_optimizer_states=False) and let Gefen "
-                "re-initialise from the next gradient"
+                "and scale): engine.load_checkpoint(dir) re-cuts it for another world size or "
+                "ZeRO stage; a state dict loaded by hand must fit the same partitions"
             )
         return {k: v for k, v in state_dict.items() if k != META_KEY}
 
@@ -596,6 +634,338 @@ def from_config(params: Any, config_params: dict[str, Any] | None) -> Gefen:
     return Gefen(params, **kwargs)
 
 
+# -- resuming at another data-parallel degree or ZeRO stage ---------------------------------
+_ZERO3_MODEL = "zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt"
+_MODEL = "mp_rank_{mp:02d}_model_states.pt"
+_ZERO_FILE = "{prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
+_ENGINE_KEYS = ["module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size"]
+_ENGINE_KEYS += ["data_sampler", "random_ltd", "lr_scheduler", "optimizer"]
+"""Model-file entries DeepSpeed's own load keeps to itself (the rest is the client state)."""
+
+
+def _read(path: str, what: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"the checkpoint lacks {what}: {path} does not exist")
+    try:
+        # DeepSpeed's checkpoints hold its own objects (loss scaler, config), not only tensors
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        msg = f"{path} ({what}) is not a readable checkpoint file ({type(e).__name__}: {e})"
+        raise ValueError(msg) from None
+
+
+@dataclass
+class _SavedRank:
+    """One saved rank's zero file: its Gefen state dict and fp32 master partitions."""
+
+    path: str
+    wrapper_sd: dict[str, Any]
+    gefen_sd: dict[str, Any]
+    meta: dict[str, Any]
+    masters: list[torch.Tensor]
+
+
+def _saved_rank(path: str, rank: int, world: int) -> _SavedRank:
+    sd = _read(path, f"the ZeRO state of data-parallel rank {rank} of {world}")
+    wrapper_sd = sd.get(OPTIMIZER_STATE_DICT)
+    if not isinstance(wrapper_sd, dict):
+        raise ValueError(f"{path}: no {OPTIMIZER_STATE_DICT!r} (not a ZeRO optimizer state file)")
+    zero3 = int(wrapper_sd.get(ZERO_STAGE, 0)) == 3
+    inner, flat_key = (
+        (OPTIMIZER_STATE_DICT, FP32_FLAT_GROUPS)
+        if zero3
+        else (BASE_OPTIMIZER_STATE, SINGLE_PARTITION_OF_FP32_GROUPS)
+    )
+    gefen_sd = wrapper_sd.get(inner)
+    meta = gefen_sd.get(META_KEY) if isinstance(gefen_sd, dict) else None
+    if meta is None:
+        raise ValueError(
+            f"{path}: its optimizer state is not Gefen's under DeepSpeed (no {META_KEY!r} "
+            "entry): a checkpoint of another optimizer"
+        )
+    if "flats" not in meta:
+        raise ValueError(
+            f"{path}: saved by a gefen_dist that did not record the ranks' segments; resume it "
+            f"at its own layout ({meta['wrapper']} on {meta['world_size']} ranks)"
+        )
+    if (meta["rank"], meta["world_size"]) != (rank, world):
+        raise ValueError(
+            f"{path}: holds rank {meta['rank']} of {meta['world_size']}, expected {rank} of "
+            f"{world} (files of two checkpoints mixed?)"
+        )
+    return _SavedRank(path, wrapper_sd, gefen_sd, meta, list(wrapper_sd[flat_key]))
+
+
+def _segments(entry: dict[str, Any]) -> list[Segment]:
+    """A saved flat's segments, each named by its tensor ("" for padding)."""
+    return [Segment(o, n, s, tuple(sh), label) for o, n, s, sh, label in entry["segments"]]
+
+
+class _Recut:
+    """A checkpoint saved at another degree or ZeRO stage, read and checked whole, then put into
+    this engine's partitions (module docstring)."""
+
+    def __init__(self, engine: DeepSpeedEngine, b: _Binding, model_path: str, world: int) -> None:
+        self.engine, self.b, self.model_path = engine, b, model_path
+        self.model_sd = _read(model_path, "the model states")
+        tag_dir = os.path.dirname(model_path)
+        mp = engine.checkpoint_mp_rank
+        self.ranks = [_saved_rank(self._zero_file(tag_dir, r, mp), r, world) for r in range(world)]
+        self.kind = self.ranks[0].meta["wrapper"]
+        self.weights = self._masters()
+        self._check_model()
+        self.tensors = self._gefen_pieces()
+
+    @staticmethod
+    def _zero_file(tag_dir: str, rank: int, mp: int) -> str:
+        names = [_ZERO_FILE.format(prefix=p, rank=rank, mp=mp) for p in ("", "bf16_")]
+        found = [n for n in names if os.path.isfile(os.path.join(tag_dir, n))]
+        return os.path.join(tag_dir, found[0] if found else names[0])
+
+    def _masters(self) -> dict[str, torch.Tensor]:
+        """Every tensor's fp32 master weights, put together from the saved partitions."""
+        out: dict[str, torch.Tensor] = {}
+        filled: dict[str, torch.Tensor] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for r in self.ranks:
+            for entry in r.meta["flats"]:
+                buf = r.masters[entry["buffer"]].reshape(-1)
+                for s in _segments(entry):
+                    if not s.name:
+                        continue
+                    if s.offset + s.numel > buf.numel():
+                        raise ValueError(
+                            f"{r.path}: its fp32 partition {entry['buffer']} has {buf.numel()} "
+                            f"elements, {s.name}'s piece ends at {s.offset + s.numel} (truncated)"
+                        )
+                    n = s.tensor_numel
+                    t = out.setdefault(s.name, torch.zeros(n, dtype=torch.float32))
+                    seen = filled.setdefault(s.name, torch.zeros(n, dtype=torch.bool))
+                    t[s.start : s.start + s.numel] = buf[s.offset : s.offset + s.numel].float()
+                    seen[s.start : s.start + s.numel] = True
+                    self.shapes[s.name] = s.shape
+        for name, seen in filled.items():
+            if not bool(seen.all()):
+                first = int((~seen).nonzero()[0])
+                raise ValueError(f"{name}: no saved rank holds its weights from element {first}")
+        return out
+
+    def _check_model(self) -> None:
+        module = self.engine.module
+        params = list(module.named_parameters())
+        frozen = [n for n, p in params if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"resuming at another data-parallel degree or ZeRO stage covers trainable "
+                f"parameters only; this model has frozen ones ({frozen[:3]}...)"
+            )
+        here = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in params}
+        missing = sorted(set(here) - set(self.shapes))
+        extra = sorted(set(self.shapes) - set(here))
+        shaped = [n for n in sorted(set(here) & set(self.shapes)) if here[n] != self.shapes[n]]
+        if missing or extra or shaped:
+            parts = []
+            if shaped:
+                n = shaped[0]
+                parts.append(f"{n} is {self.shapes[n]} there and {here[n]} here")
+            if missing:
+                parts.append(f"it lacks {missing[:3]}")
+            if extra:
+                parts.append(f"this model lacks {extra[:3]}")
+            raise ValueError(
+                f"{os.path.dirname(self.model_path)} is a checkpoint of another model: "
+                + "; ".join(parts)
+            )
+
+    def _gefen_pieces(self) -> dict[str, portable.TensorState] | None:
+        parts, stepped = [], []
+        for r in self.ranks:
+            state = r.gefen_sd.get("state", {})
+            for k, entry in enumerate(r.meta["flats"]):
+                st = state.get(k)
+                stepped.append(bool(st))
+                if not st:
+                    continue
+                segs = _segments(entry)
+                try:
+                    check_loaded(st, segs, bits_of(st["codebook"]), f"entry {k}")
+                    parts += portable.export(st, segs)
+                except (KeyError, TypeError, ValueError) as e:
+                    msg = f"{r.path}: Gefen entry {k} does not fit its recorded segments: {e}"
+                    raise ValueError(msg) from None
+        if not any(stepped):
+            return None  # saved before the first step: Gefen starts afresh, as it would have
+        if not all(stepped):
+            raise ValueError(
+                f"{os.path.dirname(self.model_path)}: some ranks' Gefen entries are empty and "
+                "others not (files of two checkpoints mixed?)"
+            )
+        tensors = portable.merge(parts)
+        for ts in tensors.values():
+            gaps = ts.missing()
+            if gaps:
+                raise ValueError(f"{ts.name}: no saved rank holds Gefen state of elements {gaps}")
+        groups = self.ranks[0].gefen_sd.get("param_groups", [])
+        if len(groups) != len(self.b.gefen.param_groups):
+            raise ValueError(
+                f"the checkpoint's Gefen has {len(groups)} param groups, this one "
+                f"{len(self.b.gefen.param_groups)}"
+            )
+        return tensors
+
+    # -- applying: nothing above changed the engine ---------------------------------------
+    def apply(self, load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any]]:
+        eng = self.engine
+        self._write_masters()
+        if self.tensors is not None:
+            self._install_gefen()
+        self._load_buffers()
+        zsd = self.ranks[0].wrapper_sd
+        for key in ("loss_scaler", "dynamic_loss_scale", "overflow", CLIP_GRAD):
+            if key in zsd and hasattr(self.b.wrapper, key):
+                setattr(self.b.wrapper, key, zsd[key])
+        sd = self.model_sd
+        if load_lr_scheduler_states and eng.lr_scheduler is not None and sd.get("lr_scheduler"):
+            eng.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+        eng.global_steps = sd["global_steps"]
+        eng.global_samples = sd.get("global_samples", eng.global_steps * eng.train_batch_size())
+        eng.skipped_steps = sd["skipped_steps"]
+        eng.loaded_checkpoint_dp_world_size = sd["dp_world_size"]
+        eng.loaded_checkpoint_mp_world_size = sd["mp_world_size"]
+        return self.model_path, {k: v for k, v in sd.items() if k not in _ENGINE_KEYS}
+
+    def _write_masters(self) -> None:
+        b = self.b
+        for f in b.flats:
+            for s, label in zip(f.segments, f.labels, strict=True):
+                if label:
+                    piece = self.weights[label][s.start : s.start + s.numel]
+                    f.tensor.data[s.offset : s.offset + s.numel].copy_(piece)
+        if b.kind == "ZeRO-3":
+            for j in range(len(b.flats)):
+                b._republish(j)
+        else:
+            b.wrapper.update_lp_params()
+
+    def _install_gefen(self) -> None:
+        b, opt = self.b, self.b.gefen
+        saved_groups = self.ranks[0].gefen_sd["param_groups"]
+
+        def load() -> None:
+            order = [b._index[id(p)] for g in opt.param_groups for p in g["params"]]
+            state = {k: self._cut(b.flats[i]) for k, i in enumerate(order)}
+            groups, k = [], 0
+            for g, saved in zip(opt.param_groups, saved_groups, strict=True):
+                n = len(g["params"])
+                groups.append({**saved, "params": list(range(k, k + n))})
+                k += n
+            opt.load_state_dict({"state": state, "param_groups": groups, META_KEY: b._meta()})
+
+        if b.kind == "ZeRO-3":
+            b.wrapper._set_fp32_optimizer_param_groups()
+            try:
+                load()
+            finally:
+                b.wrapper._clear_fp32_optimizer_param_groups()
+        else:
+            load()
+
+    def _cut(self, f: _Flat) -> dict[str, torch.Tensor]:
+        segs = [
+            Segment(s.offset, s.numel, s.start, s.shape, label)
+            for s, label in zip(f.segments, f.labels, strict=True)
+        ]
+        if any(s.name and s.numel for s in segs):
+            return portable.install(self.tensors, segs, f.tensor.device)
+        first = next(iter(self.tensors.values()))  # a partition of padding only
+        st = allocate(segs, [1] * len(segs), first.codebook, f.tensor.device)
+        st["step"] = torch.tensor(first.step, dtype=torch.float32)
+        return st
+
+    def _load_buffers(self) -> None:
+        module = self.engine.module
+        names = {n for n, _ in module.named_buffers()}
+        saved = self.model_sd.get("module") or {}
+        buffers = {k: v for k, v in saved.items() if k in names}
+        if buffers:
+            module.load_state_dict(buffers, strict=False)
+
+
+def _recut_for(engine: DeepSpeedEngine, load_dir: str, tag: Any) -> _Recut | None:
+    """The re-cut a load of ``load_dir`` needs, or None where DeepSpeed's own load fits (the
+    same degree and ZeRO-3-ness, no Gefen under ZeRO here, a pipeline, no such tag)."""
+    wrapper = engine.optimizer
+    gefen = getattr(wrapper, "optimizer", None)
+    b = _BINDINGS.get(gefen) if isinstance(gefen, Gefen) else None
+    if b is None or isinstance(engine.module, PipelineModule):
+        return None
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            return None  # DeepSpeed's own load warns and returns (None, None)
+        with open(latest) as fd:
+            tag = fd.read().strip()
+    tag_dir = os.path.join(load_dir, str(tag))
+    mp = engine.checkpoint_mp_rank
+    zero3_path = os.path.join(tag_dir, _ZERO3_MODEL.format(mp=mp))
+    path = zero3_path if os.path.isfile(zero3_path) else os.path.join(tag_dir, _MODEL.format(mp=mp))
+    if not os.path.isfile(path):
+        return None  # DeepSpeed's own load names what it looked for
+    saved_world = int(_read(path, "the model states")["dp_world_size"])
+    if (saved_world, path == zero3_path) == (b.world_size, b.kind == "ZeRO-3"):
+        return None
+    if b.kind == "BF16_Optimizer":
+        raise ValueError(
+            f"Gefen under DeepSpeed: {tag_dir} was saved at another data-parallel degree "
+            f"({saved_world}) or ZeRO stage; re-cutting it is not supported under "
+            "BF16_Optimizer (bf16 with fp32 gradient accumulation under ZeRO-1): resume at "
+            "its own layout"
+        )
+    return _Recut(engine, b, path, saved_world)
+
+
+def _recut_on_load() -> None:
+    original = DeepSpeedEngine.load_checkpoint
+    if getattr(original, "_gefen", False):
+        return
+
+    @functools.wraps(original)
+    def load_checkpoint(
+        self: DeepSpeedEngine,
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Callable | None = None,
+    ) -> Any:
+        recut = None
+        whole = load_optimizer_states and not load_module_only and custom_load_fn is None
+        if whole and not self.load_universal_checkpoint():
+            recut = _recut_for(self, load_dir, tag)
+        if recut is None:
+            return original(
+                self,
+                load_dir,
+                tag,
+                load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_only=load_module_only,
+                custom_load_fn=custom_load_fn,
+            )
+        if self._optimizer_has_ckpt_event_prologue():
+            self.optimizer.checkpoint_event_prologue()
+        out = recut.apply(load_lr_scheduler_states)
+        if self._optimizer_has_ckpt_event_epilogue():
+            self.optimizer.checkpoint_event_epilogue()
+        return out
+
+    load_checkpoint._gefen = True  # type: ignore[attr-defined]
+    DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
 # -- installation ----------------------------------------------------------------------------
 def _install_config_type() -> None:
     if OPTIMIZER_TYPE not in ds_config.DEEPSPEED_OPTIMIZERS:
@@ -619,6 +989,7 @@ def _install() -> None:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(Gefen)
     _install_config_type()
     _refuse_on_configure()
+    _recut_on_load()
     for name in (
         "_configure_zero_optimizer",
         "_configure_bf16_optimizer",
