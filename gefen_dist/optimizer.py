@@ -51,6 +51,13 @@ ON_SHARDED: list[Callable[[Gefen], None]] = []
 """Called once when a Gefen first finds DTensor (FSDP2) parameters on a process group: the FSDP
 integration keys their state per rank for DCP (``register.py`` adds it)."""
 
+ON_UNCONFIGURED: list[Callable[[Gefen], None]] = []
+"""Called before the first step (at construction, at each step, load and state dict until the
+state is initialised) while no integration has configured the optimizer: FSDP1 hands it flat
+parameters, or pieces of the original ones, whose layout only FSDP's units know, and a wrapper
+may swap them in after construction or FSDP wrap the parameters Gefen was built on (Accelerate,
+the HF Trainer). The FSDP integration finds the units and configures itself (``register.py``)."""
+
 DEFAULT_BITS = 4
 """Measured on the demo GPT (4 layers, d=256, stdlib source), 1000 steps, 3 paired seeds vs
 AdamW: 4-bit +0.81 % +- 0.28 validation loss at 0.56 bytes/param, 8-bit +1.08 % +- 0.14 at 1.05
@@ -167,6 +174,9 @@ class Gefen(Optimizer):
         which had left each rank learning its own codebook and DCP keeping one rank's state. A
         mesh of one rank counts too, so that its checkpoint refuses another world size by name.
         """
+        if not self._initialized and getattr(self, "_gefen_fsdp", None) is None:
+            for hook in ON_UNCONFIGURED:
+                hook(self)
         lists = [g["params"] for g in self.param_groups]
         if len(lists) == len(self._adopted) and all(
             a is b for a, b in zip(lists, self._adopted, strict=True)
@@ -598,17 +608,20 @@ class Gefen(Optimizer):
         if getattr(p, "_is_flat_param", False):
             raise ValueError(
                 f"{self._name(p)} is an FSDP flat parameter (use_orig_params=False) whose "
-                "layout Gefen was not told: call "
-                "gefen_dist.integrations.fsdp.configure(model, optimizer) after building the "
-                "optimizer"
+                "layout Gefen was not told: Gefen reads it from the FSDP units itself once "
+                "gefen_dist.integrations is loaded (import gefen_dist does), but this optimizer "
+                "was configured before the parameter came (add_param_group?): call "
+                "gefen_dist.integrations.fsdp.configure(model, optimizer) before the first step"
             )
         if getattr(p, "_fsdp_flattened", False):
             raise ValueError(
                 f"{self._name(p)} is a piece of an FSDP1 parameter (use_orig_params=True) "
-                "whose place in the original tensor Gefen was not told: call "
-                "gefen_dist.integrations.fsdp.configure(model, optimizer) after building the "
-                "optimizer (without it each rank would block its 1-D piece as a tensor of its "
-                "own, with several times the state)"
+                "whose place in the original tensor Gefen was not told: Gefen reads it from "
+                "the FSDP units itself once gefen_dist.integrations is loaded (import "
+                "gefen_dist does), but this optimizer was configured before the parameter came "
+                "(add_param_group?): call gefen_dist.integrations.fsdp.configure(model, "
+                "optimizer) before the first step (without it each rank would block its 1-D "
+                "piece as a tensor of its own, with several times the state)"
             )
         gi, i = self._index(p)
         return sharding.segments_of(p, key=f"param {gi}.{i}", name=self._name(p))

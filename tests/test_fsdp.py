@@ -126,10 +126,9 @@ def test_unsupported_layouts_and_misuse_fail_naming_the_problem(eq):
     assert "'blocks.0.mlp.weight'" in errors["mesh_2d"] and "2-D" in errors["mesh_2d"]
     assert "no FSDP-sharded parameter" in errors["not_sharded"]
     assert "Gefen optimizer" in errors["not_gefen"]
-    assert "already called" in errors["twice"]
-    assert "gefen_dist.integrations.fsdp.configure(model, optimizer)" in errors["flat_unconfigured"]
-    assert "gefen_dist.integrations.fsdp.configure(model, optimizer)" in errors["orig_unconfigured"]
-    assert "use_orig_params=True" in errors["orig_unconfigured"]
+    # FSDP1 without configure: Gefen finds the units itself and steps (tests/test_fsdp1_auto.py),
+    # and a later configure changes nothing
+    assert {"twice", "flat_unconfigured", "orig_unconfigured"}.isdisjoint(errors)
     assert errors["through_accelerate"] == "configured"
     assert "[fc.weight, out.weight, out.bias]" in errors["wrong_model"]
     assert "not part of this model's FSDP units" in errors["wrong_model"]
@@ -202,11 +201,19 @@ def test_a_rank_entry_from_another_run_is_refused(ck):
 
 
 def test_loading_on_another_world_size_fails_naming_the_problem(ck):
+    """A full FSDP1 state dict carries every rank's entry and loads at another world size
+    (how well: tests/test_fsdp_elastic.py); a sharded one loaded as it is holds one rank's."""
     (w1,) = ck["world1"]
     assert len(w1) == 7
     for case, res in w1.items():
-        assert "saved by rank 0 of 2" in res["error"], case
-        assert "loaded by rank 0 of 1" in res["error"], case
+        if case.endswith("/full"):
+            assert res["error"] is None, case
+            continue
+        assert (
+            "saved by 2 ranks, and the checkpoint lacks the entries of rank(s) [1]"
+            in (res["error"])
+        ), case
+        assert "rank 0 of 1 needs to cut its piece" in res["error"], case
         # without configure(model, ...) or named parameters Gefen knows no FQNs
         unnamed = case.endswith("unconfigured") or "accelerate" in case
         name = "param group 0" if unnamed else "transformer."

@@ -103,11 +103,15 @@ def consolidate_entry(entry: Mapping[str, Any], where: str) -> dict[str, torch.T
         shapes |= {(s.name, s.shape) for s in segs if s.name}
         parts += portable.export(st, segs)
     tensors = portable.merge(parts)
+    if len(tensors) > 1:
+        # an FSDP1 flat parameter's entries, copied to each of its tensors' FQNs: this one's
+        named = [n for n in tensors if where == n or where.endswith(f".{n}")]
+        tensors = {named[0]: tensors[named[0]]} if len(named) == 1 else tensors
     if len(tensors) != 1:
         raise ValueError(
             f"{where}: holds pieces of {len(tensors)} tensors ({sorted(tensors)}); a "
-            "single-process state is per tensor (an FSDP1 flat parameter's checkpoint: "
-            "save it with use_orig_params=True)"
+            "single-process state is per tensor (an FSDP1 flat parameter's checkpoint "
+            "consolidates where its entries are keyed by their tensors' FQNs)"
         )
     (ts,) = tensors.values()
     gaps = ts.missing()

@@ -1,10 +1,15 @@
 """Gefen under FSDP: what each rank's buffers hold, and checkpoints through FSDP's own paths.
 
-One call after building the optimizer::
+Nothing to call::
 
     model = FSDP(model, ...)            # or fully_shard(...) (FSDP2)
     opt = Gefen(model.parameters(), lr=...)
-    gefen_dist.integrations.fsdp.configure(model, opt)
+
+Gefen configures itself through the optimizer's hooks (``register.py``): on DTensor (FSDP2)
+parameters, and on FSDP1's flat parameters or pieces of original ones, whose units it finds
+among the live objects (``configure_found``), also where the model is wrapped after Gefen was
+built on it, or the parameters swapped in (the HF Trainer, Accelerate): at the first step or
+load. ``configure(model, opt)`` is what it calls, and a later call changes nothing.
 
 Training. FSDP1 with ``use_orig_params=False`` hands the optimizer one flat shard per FSDP unit:
 pieces of several original tensors, each rank a different cut. ``configure`` reads FSDP's flat
@@ -47,14 +52,23 @@ usual 0-dim ``"step"`` (and, for DTensor parameters, the codebook, which every r
   replica group writes the same keys with the same contents, and DCP keeps one copy of each,
   not necessarily all from one replica: the run id is therefore agreed over the replicate
   group too (``_run_id``), and a rank may load its replica's entry.
-- A resumed run must have the same world size and FSDP wrapping: a block cut by a shard boundary
-  keeps one scale and one v per piece, which cannot be re-cut exactly for other boundaries. Any
-  other world size or layout fails at load with an error naming the parameter (DCP, asked for
-  a rank the checkpoint lacks, refuses first: "Missing key ... gefen.rank{r}"). An FSDP2 full
-  state dict (DCP ``full_state_dict=True``) is not supported: DCP gathers only DTensors, so it
-  holds the saving rank's Gefen state alone. FSDP1's ``rank0_only`` *load* calls ``.cpu()`` on
-  every state value, so it cannot load non-tensor state: save with ``rank0_only`` if you like,
-  but load the (small) full checkpoint on every rank.
+- At the same world size and FSDP wrapping each rank loads its own entry: bit for bit. Where
+  an entry was saved by another world size, the rank cuts its pieces from every saving rank's
+  entries (``_recut``, ``method.portable``: a block cut by a shard boundary keeps one scale and
+  one v per piece, which are merged or split, within the measured drift of
+  ``tests/test_fsdp_elastic.py``), so all of them must be there: FSDP1's full state dicts carry
+  them (the hook gathers a flat parameter's), as does a sharded DCP checkpoint read whole
+  (``gefen_dist.checkpoint.read_dcp``); a sharded one loaded as it is lacks the others' entries
+  and is refused naming the missing ranks (DCP, asked for a rank the checkpoint lacks, refuses
+  first: "Missing key ... gefen.rank{r}"). FSDP1's ``rank0_only`` *load* calls ``.cpu()`` on
+  every state value of rank 0's dict, so it cannot load non-tensor state: save with
+  ``rank0_only`` if you like, but load the (small) full checkpoint on every rank.
+- A full state dict through DCP's functions (``get_optimizer_state_dict(full_state_dict=True)``)
+  holds, for each DTensor parameter, the whole tensor's single-process state, gathered from
+  every rank's piece (DCP gathers DTensors only, and Gefen's state is none); it loads at any
+  world size (``set_optimizer_state_dict(full_state_dict=True)``, also with
+  ``broadcast_from_rank0``), where ``portable.fit`` cuts each rank's piece, and into one process.
+  The post-hook learns DCP's options from its calling frames (``_dcp_request``).
 
 With a sharded model, ``optimizer.state_dict()`` may be a collective (FULL_STATE_DICT with
 ``use_orig_params=False``): call it on every rank, as FSDP's own state-dict functions are.
@@ -62,7 +76,10 @@ With a sharded model, ``optimizer.state_dict()`` may be a collective (FULL_STATE
 
 from __future__ import annotations
 
+import gc
+import inspect
 import io
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -77,11 +94,12 @@ from torch.distributed.fsdp._common_utils import _get_param_to_fqns
 from torch.distributed.fsdp._flat_param import FlatParameter
 
 from ..distributed import sharding
+from ..method import portable
 from ..method.segments import Segment
 from ..method.state import STATE_KEYS
 from ..optimizer import Gefen
 
-__all__ = ["configure", "RANK_KEY"]
+__all__ = ["configure", "configure_found", "RANK_KEY"]
 
 RANK_KEY = "gefen.rank{}"
 RUN_KEY = "gefen.run"
@@ -100,6 +118,7 @@ class _Integration:
     names: dict[torch.Tensor, str] = field(default_factory=dict)
     replicas: dist.ProcessGroup | None = None  # HSDP: the ranks holding copies of our pieces
     run: str = ""
+    found: bool = False  # configured by Gefen itself (``configure_found``), not by a user call
 
 
 def configure(model: nn.Module | None, optimizer: Gefen) -> None:
@@ -111,7 +130,8 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
     ``AcceleratedOptimizer`` after ``accelerator.prepare``).
     Gefen calls ``configure(None, optimizer)`` itself when it is built on FSDP2 (DTensor)
     parameters, so FSDP2 users need not; calling it again with the model then only adds the
-    parameters' FQNs to error messages.
+    parameters' FQNs to error messages. For FSDP1 it calls ``configure_found``, after which
+    this call changes nothing (and refuses a model that does not hold the parameters).
     """
     wrapped = optimizer
     while not isinstance(optimizer, Gefen) and isinstance(
@@ -126,6 +146,9 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
         done.model = model
         done.names.update({p: f"parameter {fqn_of[p]!r}" for p in done.sharded if p in fqn_of})
         return
+    if done is not None and done.found:
+        _check_holds(model, optimizer)
+        return  # Gefen found its model's FSDP units itself: the call changes nothing
     if done is not None:
         raise RuntimeError("configure(model, optimizer) was already called for this optimizer")
     if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
@@ -197,6 +220,113 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
     optimizer._gefen_fsdp = integ
     optimizer.register_state_dict_post_hook(_pack_state_dict)
     optimizer.register_load_state_dict_pre_hook(_unpack_state_dict, prepend=True)
+
+
+def _check_holds(model: nn.Module | None, optimizer: Gefen) -> None:
+    """A ``configure`` after Gefen configured itself changes nothing, but a model that does
+    not hold the optimizer's FSDP parameters is still named: it was not the one meant."""
+    if model is None or model is optimizer._gefen_fsdp.model:
+        return
+    ours = set()
+    for unit in FSDP.fsdp_modules(model):
+        if unit._handle is not None:
+            fp = unit._handle.flat_param
+            ours |= {id(fp), *(id(q) for q in fp._params or [])}
+    for p in optimizer._gefen_fsdp.sharded:
+        if id(p) not in ours:
+            what = _unit_name(p) if isinstance(p, FlatParameter) else optimizer._gefen_fsdp.names[p]
+            raise ValueError(
+                f"the optimizer holds the FSDP parameter {what}, which is not part of this "
+                "model's FSDP units: pass the FSDP-wrapped model the optimizer was built from"
+            )
+
+
+def configure_found(optimizer: Gefen) -> None:
+    """``configure`` without the model, for an FSDP1 model: Gefen calls this itself (the
+    ``optimizer.ON_UNCONFIGURED`` hook) when it finds FSDP1 flat parameters or pieces of
+    original ones (``use_orig_params=True``) among its parameters, at construction, when a
+    wrapper swaps its parameters, or at the first step or load.
+
+    Why search: a flat parameter records its tensors' names, shapes and cuts, but not its
+    process group, sharding strategy or the FQNs of the model around it (FlatParamHandle holds
+    the first two and links back to nothing), and the state-dict hooks need the units (their
+    state_dict_type). The FSDP units are found among the live objects (one pass of ``gc``),
+    and the root that holds this optimizer's parameters configures it. A later
+    ``configure(model, optimizer)`` with that model changes nothing."""
+    if getattr(optimizer, "_gefen_fsdp", None) is not None:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    held = {id(p) for p in params}
+    units = [o for o in gc.get_objects() if isinstance(o, FSDP)]
+    nested = {id(m) for u in units for m in u.modules() if m is not u and isinstance(m, FSDP)}
+    roots = []
+    for root in (u for u in units if id(u) not in nested):
+        for unit in FSDP.fsdp_modules(root):
+            fp = unit._handle.flat_param if unit._handle is not None else None
+            if fp is not None and (id(fp) in held or any(id(q) in held for q in fp._params or [])):
+                roots.append(root)
+                break
+    if not roots:
+        raise ValueError(
+            f"{optimizer._name(params[0])} and the other parameters of this Gefen are FSDP1 "
+            "parameters of no live FSDP model's units: with use_orig_params=False FSDP replaces "
+            "a model's parameters by flat ones, so build Gefen from the wrapped model's "
+            "parameters (or wrap with use_orig_params=True)"
+        )
+    if len(roots) > 1:
+        raise ValueError(
+            f"this Gefen holds parameters of {len(roots)} FSDP models: one optimizer per model, "
+            "or call gefen_dist.integrations.fsdp.configure(model, optimizer) with their parent"
+        )
+    configure(roots[0], optimizer)
+    optimizer._gefen_fsdp.found = True
+
+
+# -- what torch.distributed.checkpoint asks for ---------------------------------------------------
+@dataclass(frozen=True)
+class _Request:
+    """What the caller of ``optimizer.state_dict()`` will do with it, where DCP's
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` is that caller."""
+
+    dcp: bool = False  # called by DCP's state_dict functions
+    full: bool = False  # full_state_dict=True: DCP gathers DTensors and keeps other values
+    rank0_only: bool = False  # cpu_offload too: only global rank 0 keeps the gathered dict
+    load_template: bool = False  # the local template of a full-state load
+
+
+def _dcp_request() -> _Request:
+    """Read DCP's options off the calling frames.
+
+    Why frames: a state-dict post-hook gets the optimizer and its dict only, while what it must
+    write depends on DCP's options: a sharded save needs one bytes entry per rank (module
+    docstring), a full one the whole tensor's single-process state (DCP gathers only DTensors,
+    and Gefen's state is none: it would keep the saving rank's piece alone), and the template
+    of a full-state load Gefen's tensors as they are (DCP replaces each with the full dict's
+    value of that key; with broadcast_from_rank0, a key the template lacks is not sent to the
+    other ranks at all). ``_get_optim_state_dict`` holds those options as its ``info``; a
+    ``_load_optim_state_dict`` below it calls it only for a full-state load's template. Where a
+    torch version renames them, nothing is found and the sharded entries are written as before.
+    """
+    mod = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    if mod is None:
+        return _Request()
+    get = getattr(mod, "_get_optim_state_dict", None)
+    load = getattr(mod, "_load_optim_state_dict", None)
+    if get is None or load is None:
+        return _Request()
+    get_code, load_code = inspect.unwrap(get).__code__, inspect.unwrap(load).__code__
+    info, frame = None, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is load_code:
+            return _Request(dcp=True, load_template=True)
+        if frame.f_code is get_code and info is None:
+            info = frame.f_locals.get("info")
+        frame = frame.f_back
+    if info is None:
+        return _Request()
+    full = bool(getattr(info, "full_state_dict", False))
+    rank0 = full and bool(getattr(info, "cpu_offload", False)) and dist.is_initialized()
+    return _Request(dcp=True, full=full, rank0_only=rank0)
 
 
 # -- layout --------------------------------------------------------------------------------------
@@ -281,6 +411,7 @@ def _pack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
     integ: _Integration = opt._gefen_fsdp
     state = dict(state_dict["state"])
     mine: dict[int, tuple[str, bytes]] = {}
+    request = _dcp_request()
     for idx, p in _indexed_params(opt):
         if p not in integ.sharded:
             continue
@@ -292,6 +423,16 @@ def _pack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
         group = integ.sharded[p]
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         key = RANK_KEY.format(rank)
+        if sharding.is_dtensor(p) and request.load_template:
+            continue  # Gefen's own tensors, each replaced by the full dict's (_dcp_request)
+        if sharding.is_dtensor(p) and request.full:
+            keep = not request.rank0_only or dist.get_rank() == 0
+            whole = _gather_whole(opt, p, st, integ, keep)
+            if whole is None:
+                state.pop(idx, None)
+            else:
+                state[idx] = whole
+            continue
         # A DTensor parameter's codebook stays a tensor: the same on every rank, so DCP's
         # de-duplication is right for it, and DCP's full-state loader needs one tensor per entry.
         outside = ("codebook",) if st is not None and sharding.is_dtensor(p) else ()
@@ -301,16 +442,21 @@ def _pack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
             entry = {"step": st["step"], **{k: st[k] for k in outside}, **entry}
         state[idx] = entry
         mine[idx] = (key, blob)
-    if _gather_full(integ):
+    if _gather_full(integ, request):
         gathered = _all_gather_flat(integ, opt, mine)
         for idx, entries in gathered.items():
             state[idx] = {**state[idx], **entries}
     return {**state_dict, "state": state}
 
 
-def _gather_full(integ: _Integration) -> bool:
+def _gather_full(integ: _Integration, request: _Request) -> bool:
     """FSDP1 copies a flat parameter's non-tensor state from the saving rank only; a full state
-    dict must then carry every rank's entry, which only this hook can collect."""
+    dict must then carry every rank's entry, which only this hook can collect. Under DCP's
+    functions the units' state_dict_type is set only after this hook ran: DCP's option counts."""
+    if not integ.flat_models:
+        return False
+    if request.dcp:
+        return request.full
     for unit in integ.flat_models:
         if FSDP.get_state_dict_type(unit).state_dict_type == StateDictType.FULL_STATE_DICT:
             return True
@@ -333,6 +479,69 @@ def _all_gather_flat(
     return out
 
 
+def _gather_whole(
+    opt: Gefen, p: torch.Tensor, st: dict | None, integ: _Integration, keep: bool
+) -> dict[str, torch.Tensor] | None:
+    """The whole tensor's single-process state, from every rank's piece (one all-gather per
+    parameter, so no rank holds more than one tensor's pieces at a time): what a full state
+    dict of a DTensor parameter holds, and what loads at any world size (``portable.fit``).
+    None where no rank has stepped it, or on a rank that does not keep the full dict."""
+    group = integ.sharded[p]
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    blob = _encode(st, opt._segments_for(p), rank, world, integ.run, ())
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, blob, group=group)
+    if not keep:
+        return None
+    name = integ.names.get(p) or opt._name(p)
+    payloads = [_read(b, RANK_KEY.format(r), name) for r, b in enumerate(every)]
+    tensors = _merged(payloads, None, name)
+    if not tensors:
+        return None
+    (ts,) = tensors.values()
+    return portable.install(tensors, [Segment(0, ts.numel, 0, ts.shape, ts.name)], "cpu")
+
+
+def _read(blob: Any, key: str, name: str) -> dict:
+    """One rank's entry as its payload, refusing what no Gefen wrote, by name."""
+    if not isinstance(blob, bytes):
+        raise ValueError(f"Gefen state for {name}: expected bytes, got {type(blob).__name__}")
+    try:
+        payload = torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception as e:  # a truncated or damaged entry: name it, not torch's reader
+        raise ValueError(
+            f"Gefen state for {name}: entry {key!r} is not a readable state "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+        raise ValueError(f"Gefen state for {name} is not a {_FORMAT} entry")
+    return payload
+
+
+def _merged(
+    payloads: list[dict], codebook: torch.Tensor | None, name: str
+) -> dict[str, portable.TensorState]:
+    """Every tensor whose pieces the payloads hold, put together (``portable.merge``); each
+    must be whole. Empty where no rank had stepped the parameter."""
+    parts = []
+    for pl in payloads:
+        if pl["step"] is None:
+            continue
+        st = {**pl["tensors"], "step": torch.tensor(pl["step"])}
+        if "codebook" not in st:  # a DTensor parameter's codebook, kept beside the entries
+            if codebook is None:
+                raise ValueError(f"Gefen state for {name}: the entry's codebook is missing")
+            st["codebook"] = codebook
+        segs = [Segment(o, m, s, tuple(sh), n) for o, m, s, sh, n in pl["segments"]]
+        parts += portable.export(st, segs)
+    tensors = portable.merge(parts)
+    for ts in tensors.values():
+        gaps = ts.missing()
+        if gaps:
+            raise ValueError(f"Gefen state for {name}: no rank holds elements {gaps} of {ts.name}")
+    return tensors
+
+
 def _unpack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
     """Load pre-hook (runs before Gefen's own): this rank's entry back into Gefen tensors."""
     integ: _Integration = opt._gefen_fsdp
@@ -344,6 +553,12 @@ def _unpack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]
         st = saved_state.get(pid)
         if st is None:
             continue
+        if "layout" in st:
+            # a single-process state (a full state dict, a consolidated checkpoint), perhaps
+            # beside the entries of the template DCP merged it into: it wins, and Gefen's own
+            # pre-hook cuts this rank's piece from it (portable.fit)
+            state[pid] = {k: v for k, v in st.items() if not str(k).startswith("gefen.")}
+            continue
         ranks = sorted(k for k in st if isinstance(k, str) and k.startswith("gefen.rank"))
         if not ranks:
             continue
@@ -351,24 +566,76 @@ def _unpack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]
         if p not in integ.sharded:
             raise ValueError(
                 f"the checkpoint holds per-rank Gefen state ({', '.join(ranks)}) for {name}, "
-                "which is not sharded in this run: load it into the same FSDP setup it was "
-                "saved from"
+                "which is not sharded in this run: consolidate it first "
+                "(gefen_dist.checkpoint.consolidate)"
             )
         group = integ.sharded[p]
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         key = RANK_KEY.format(rank)
-        if key not in st:
-            raise ValueError(
-                f"the checkpoint holds Gefen state for {name} from {', '.join(ranks)} but not "
-                f"from rank {rank}: it was saved by another world size, or as a full state dict "
-                "that FSDP gathered without the other ranks' entries (gefen_dist.integrations.fsdp)"
-            )
-        loaded = _decode(st, key, opt._segments_for(p), rank, world, name)
+        segs = opt._segments_for(p)
+        if key in st and _saved_by(st[key], key, name) == (rank, world):
+            loaded = _decode(st, key, segs, rank, world, name)
+        else:
+            loaded = _recut(st, ranks, segs, rank, world, name)
         if loaded is None:
             del state[pid]
         else:
             state[pid] = loaded
     return {**state_dict, "state": state}
+
+
+def _saved_by(blob: Any, key: str, name: str) -> tuple[int, int]:
+    payload = _read(blob, key, name)
+    return payload["rank"], payload["world_size"]
+
+
+def _recut(
+    entry: dict[str, Any], ranks: list[str], segs: list[Segment], rank: int, world: int, name: str
+) -> dict[str, torch.Tensor] | None:
+    """This rank's state for its segments, cut from every saving rank's piece: a checkpoint
+    of another world size (``method.portable``: what is exact, what is merged or split). Every
+    rank of the saving world must be there: FSDP1's full state dicts carry them all (this
+    hook gathers a flat parameter's), a sharded one a single rank's."""
+    payloads = [_read(entry[k], k, name) for k in ranks]
+    saved_world = {pl["world_size"] for pl in payloads}
+    runs = {pl["run"] for pl in payloads} | {entry.get(RUN_KEY)}
+    if len(saved_world) != 1 or len(runs) != 1:
+        raise ValueError(
+            f"Gefen state for {name}: its entries come from different runs or world sizes "
+            f"({sorted(saved_world)}): checkpoints of two runs mixed?"
+        )
+    (n,) = saved_world
+    have = sorted(pl["rank"] for pl in payloads)
+    if have != list(range(n)):
+        missing = sorted(set(range(n)) - set(have))
+        raise ValueError(
+            f"Gefen state for {name} was saved by {n} ranks, and the checkpoint lacks the "
+            f"entries of rank(s) {missing} (it holds {', '.join(ranks)}), which rank {rank} of "
+            f"{world} needs to cut its piece: load a full state dict (FSDP1 FULL_STATE_DICT, "
+            "which carries every rank's entry), or every rank's sharded files "
+            "(gefen_dist.integrations.fsdp)"
+        )
+    steps = {pl["step"] for pl in payloads if pl["step"] is not None}
+    step = entry.get("step")
+    if len(steps) > 1 or (steps and step is not None and steps != {float(step)}):
+        raise ValueError(
+            f"Gefen state for {name}: the entries' step {sorted(steps)} is not the "
+            f"checkpoint's ({None if step is None else float(step)})"
+        )
+    tensors = _merged(payloads, entry.get("codebook"), name)
+    named = [s for s in segs if s.name and s.numel]
+    if not tensors or not named:
+        return None
+    for s in named:
+        have_ts = tensors.get(s.name)
+        if have_ts is None or tuple(have_ts.shape) != tuple(s.shape):
+            saved = {n: tuple(t.shape) for n, t in tensors.items()}
+            raise ValueError(
+                f"Gefen state for {name}: this rank holds a piece of {s.name} {tuple(s.shape)}, "
+                f"the checkpoint's entries the tensors {saved}: a different model or FSDP "
+                "wrapping"
+            )
+    return portable.install(tensors, segs, torch.device("cpu"))
 
 
 def _encode(
@@ -422,16 +689,16 @@ def _decode(
             "FSDP wrapping"
         )
     saved_step = payload["step"]
+    # no step at all: a template built before any step (Accelerate's FSDP1 sharded load asks
+    # DCP for the keys of a fresh optimizer's dict), for which the run id alone speaks
     if payload["run"] != entry.get(RUN_KEY) or (
-        saved_step is not None and (step is None or saved_step != float(step))
+        saved_step is not None and step is not None and saved_step != float(step)
     ):
         raise ValueError(
             f"Gefen state for {name}: rank {rank}'s entry is not the one saved with this "
             f"checkpoint (run {payload['run']} step {saved_step}, the checkpoint's: run "
             f"{entry.get(RUN_KEY)} step {None if step is None else float(step)}); the "
-            "loader kept this rank's own value. A full state dict of DTensor (FSDP2) "
-            "parameters carries only the saving rank's Gefen state, since DCP gathers "
-            "DTensors only: save FSDP2 checkpoints sharded (full_state_dict=False)"
+            "loader kept this rank's own value (gefen_dist.integrations.fsdp)"
         )
     here = [(s.offset, s.numel, s.start, list(s.shape), s.name) for s in segs]
     saved = [tuple(x) for x in payload["segments"]]

@@ -6,7 +6,8 @@ used by ``deepspeed.initialize`` without ``optimizer=``, Accelerate's ``DummyOpt
 Face Trainer's ``--deepspeed``) only knows Gefen once ``integrations.deepspeed`` has patched it.
 ``import gefen_dist`` does that by itself when DeepSpeed is already imported; ``register()`` does it
 whatever the import order. DDP, FSDP and Accelerate's DDP need no registration: they take the
-optimizer object.
+optimizer object. FSDP's layout is read by hooks this module adds to the optimizer: FSDP2's when
+Gefen finds DTensor parameters, FSDP1's when it finds FSDP1's flat or flattened ones.
 """
 
 from __future__ import annotations
@@ -58,5 +59,17 @@ def _configure_fsdp2(opt) -> None:
     importlib.import_module("gefen_dist.integrations.fsdp").configure(None, opt)
 
 
+def _configure_fsdp1(opt) -> None:
+    """FSDP1's flat parameters (use_orig_params=False) and pieces of original ones (True) carry
+    FSDP's marks; the integration is imported only where one is found."""
+    if any(
+        getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False)
+        for g in opt.param_groups
+        for p in g["params"]
+    ):
+        importlib.import_module("gefen_dist.integrations.fsdp").configure_found(opt)
+
+
 optimizer.ON_CONSTRUCT.append(_bind_deepspeed)
 optimizer.ON_SHARDED.append(_configure_fsdp2)
+optimizer.ON_UNCONFIGURED.append(_configure_fsdp1)
