@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import sharding
+from .distributed.collectives import comm_device
 
 
 def check_gradients(optimizer: Any) -> None:
@@ -24,8 +25,6 @@ def check_gradients(optimizer: Any) -> None:
     of a CPU step (module docstring). One fused norm per device, then ``isfinite`` only on the
     gradients whose norm is not finite: a norm also overflows for finite |g| of 2**64 /
     sqrt(numel), which are not refused."""
-    from ..distributed.collectives import comm_device
-
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     grads = [sharding.local(p.grad) for p in params]
     bad: list[str] = []
