@@ -52,6 +52,8 @@ republishes the low-precision copies, and cuts its Gefen state from every saved 
 merged or split). Buffers, the learning-rate scheduler, the step counters and the client state
 come from the model file as DeepSpeed's own load takes them. Not covered there (refused by
 name): frozen parameters, BF16_Optimizer, checkpoints saved before the segments were recorded.
+``read_checkpoint(dir)`` reads such a checkpoint whole without an engine (``SavedZero``), for
+``python -m gefen_dist.checkpoint consolidate`` (``checkpoint.zero``).
 ``elastic_checkpoint`` is refused: it cuts every state tensor by the partition padding and merges
 state element by element, which would corrupt block state; so is universal-checkpoint loading,
 which restores only element-wise state keys and would silently drop Gefen's.
@@ -91,7 +93,16 @@ from ..method.state import allocate, bits_of, check_loaded
 from ..optimizer import Gefen
 from ..validation import is_real
 
-__all__ = ["configure", "memory_report", "block_sizes", "from_config", "META_KEY", "OPTIMIZER_TYPE"]
+__all__ = [
+    "configure",
+    "memory_report",
+    "block_sizes",
+    "from_config",
+    "read_checkpoint",
+    "SavedZero",
+    "META_KEY",
+    "OPTIMIZER_TYPE",
+]
 
 OPTIMIZER_TYPE = "gefen"
 """``optimizer.type`` of a DeepSpeed config that selects Gefen (matched in any case)."""
@@ -213,7 +224,7 @@ class _Binding:
                 [s.offset, s.numel, s.start, list(s.shape), label]
                 for s, label in zip(f.segments, f.labels, strict=True)
             ]
-            flats.append({"buffer": i, "segments": segs})
+            flats.append({"buffer": i, "group": f.group, "segments": segs})
         return {**state_dict, META_KEY: {**self._meta(), "flats": flats}}
 
     def _check_meta(self, opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -701,20 +712,44 @@ def _segments(entry: dict[str, Any]) -> list[Segment]:
     return [Segment(o, n, s, tuple(sh), label) for o, n, s, sh, label in entry["segments"]]
 
 
-class _Recut:
-    """A checkpoint saved at another degree or ZeRO stage, read and checked whole, then put into
-    this engine's partitions (module docstring)."""
+class SavedZero:
+    """A ZeRO checkpoint of Gefen read whole in this process, without an engine: every
+    tensor's fp32 master weights (``weights``, flat, and ``shapes``), Gefen's state of every
+    tensor put together from all saved ranks (``tensors``, ``method.portable``; None where it
+    was saved before the first step) and Gefen's saved param groups. Reading checks that every
+    rank's file is there and readable and every Gefen entry fits its recorded segments."""
 
-    def __init__(self, engine: DeepSpeedEngine, b: _Binding, model_path: str, world: int) -> None:
-        self.engine, self.b, self.model_path = engine, b, model_path
-        self.model_sd = _read(model_path, "the model states")
+    def __init__(self, model_path: str, model_sd: dict[str, Any], mp: int = 0) -> None:
+        self.model_path, self.model_sd = model_path, model_sd
         tag_dir = os.path.dirname(model_path)
-        mp = engine.checkpoint_mp_rank
+        world = int(model_sd["dp_world_size"])
         self.ranks = [_saved_rank(self._zero_file(tag_dir, r, mp), r, world) for r in range(world)]
         self.kind = self.ranks[0].meta["wrapper"]
+        self.world_size = world
         self.weights = self._masters()
-        self._check_model()
         self.tensors = self._gefen_pieces()
+        self.param_groups = self.ranks[0].gefen_sd.get("param_groups", [])
+
+    def group_names(self) -> list[list[str]]:
+        """The tensors of each saved param group in their flat buffers' order: by where each
+        tensor's first element was saved (group, buffer, rank, offset)."""
+        out: list[list[str]] = [[] for _ in self.param_groups]
+        firsts = sorted(
+            (e.get("group", e["buffer"]), e["buffer"], rank, s.offset, s.name)
+            for rank, r in enumerate(self.ranks)
+            for e in r.meta["flats"]
+            for s in _segments(e)
+            if s.name and s.start == 0
+        )
+        for group, *_, name in firsts:
+            if group >= len(out):
+                raise ValueError(
+                    f"{self.model_path}: {name} is recorded in param group {group} of "
+                    f"{len(out)} (saved before the groups were recorded): resume it with "
+                    "engine.load_checkpoint instead"
+                )
+            out[group].append(name)
+        return out
 
     @staticmethod
     def _zero_file(tag_dir: str, rank: int, mp: int) -> str:
@@ -750,33 +785,6 @@ class _Recut:
                 raise ValueError(f"{name}: no saved rank holds its weights from element {first}")
         return out
 
-    def _check_model(self) -> None:
-        module = self.engine.module
-        params = list(module.named_parameters())
-        frozen = [n for n, p in params if not p.requires_grad]
-        if frozen:
-            raise ValueError(
-                f"resuming at another data-parallel degree or ZeRO stage covers trainable "
-                f"parameters only; this model has frozen ones ({frozen[:3]}...)"
-            )
-        here = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in params}
-        missing = sorted(set(here) - set(self.shapes))
-        extra = sorted(set(self.shapes) - set(here))
-        shaped = [n for n in sorted(set(here) & set(self.shapes)) if here[n] != self.shapes[n]]
-        if missing or extra or shaped:
-            parts = []
-            if shaped:
-                n = shaped[0]
-                parts.append(f"{n} is {self.shapes[n]} there and {here[n]} here")
-            if missing:
-                parts.append(f"it lacks {missing[:3]}")
-            if extra:
-                parts.append(f"this model lacks {extra[:3]}")
-            raise ValueError(
-                f"{os.path.dirname(self.model_path)} is a checkpoint of another model: "
-                + "; ".join(parts)
-            )
-
     def _gefen_pieces(self) -> dict[str, portable.TensorState] | None:
         parts, stepped = [], []
         for r in self.ranks:
@@ -805,13 +813,52 @@ class _Recut:
             gaps = ts.missing()
             if gaps:
                 raise ValueError(f"{ts.name}: no saved rank holds Gefen state of elements {gaps}")
-        groups = self.ranks[0].gefen_sd.get("param_groups", [])
-        if len(groups) != len(self.b.gefen.param_groups):
+        return tensors
+
+
+class _Recut:
+    """A checkpoint saved at another degree or ZeRO stage, read and checked whole, then put into
+    this engine's partitions (module docstring)."""
+
+    def __init__(self, engine: DeepSpeedEngine, b: _Binding, saved: SavedZero) -> None:
+        self.engine, self.b, self.saved = engine, b, saved
+        self.model_path, self.model_sd = saved.model_path, saved.model_sd
+        self.weights, self.shapes, self.tensors = saved.weights, saved.shapes, saved.tensors
+        self.ranks = saved.ranks
+        self._check_model()
+        groups = saved.param_groups
+        if len(groups) != len(b.gefen.param_groups):
             raise ValueError(
                 f"the checkpoint's Gefen has {len(groups)} param groups, this one "
-                f"{len(self.b.gefen.param_groups)}"
+                f"{len(b.gefen.param_groups)}"
             )
-        return tensors
+
+    def _check_model(self) -> None:
+        module = self.engine.module
+        params = list(module.named_parameters())
+        frozen = [n for n, p in params if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"resuming at another data-parallel degree or ZeRO stage covers trainable "
+                f"parameters only; this model has frozen ones ({frozen[:3]}...)"
+            )
+        here = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in params}
+        missing = sorted(set(here) - set(self.shapes))
+        extra = sorted(set(self.shapes) - set(here))
+        shaped = [n for n in sorted(set(here) & set(self.shapes)) if here[n] != self.shapes[n]]
+        if missing or extra or shaped:
+            parts = []
+            if shaped:
+                n = shaped[0]
+                parts.append(f"{n} is {self.shapes[n]} there and {here[n]} here")
+            if missing:
+                parts.append(f"it lacks {missing[:3]}")
+            if extra:
+                parts.append(f"this model lacks {extra[:3]}")
+            raise ValueError(
+                f"{os.path.dirname(self.model_path)} is a checkpoint of another model: "
+                + "; ".join(parts)
+            )
 
     # -- applying: nothing above changed the engine ---------------------------------------
     def apply(self, load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any]]:
@@ -911,7 +958,8 @@ def _recut_for(engine: DeepSpeedEngine, load_dir: str, tag: Any) -> _Recut | Non
     path = zero3_path if os.path.isfile(zero3_path) else os.path.join(tag_dir, _MODEL.format(mp=mp))
     if not os.path.isfile(path):
         return None  # DeepSpeed's own load names what it looked for
-    saved_world = int(_read(path, "the model states")["dp_world_size"])
+    model_sd = _read(path, "the model states")
+    saved_world = int(model_sd["dp_world_size"])
     if (saved_world, path == zero3_path) == (b.world_size, b.kind == "ZeRO-3"):
         return None
     if b.kind == "BF16_Optimizer":
@@ -921,7 +969,23 @@ def _recut_for(engine: DeepSpeedEngine, load_dir: str, tag: Any) -> _Recut | Non
             "BF16_Optimizer (bf16 with fp32 gradient accumulation under ZeRO-1): resume at "
             "its own layout"
         )
-    return _Recut(engine, b, path, saved_world)
+    return _Recut(engine, b, SavedZero(path, model_sd, mp))
+
+
+def read_checkpoint(load_dir: str, tag: str | None = None, mp_rank: int = 0) -> SavedZero:
+    """A ZeRO-1/2/3 checkpoint of Gefen (``engine.save_checkpoint(load_dir)``) read whole in
+    this process, for conversion (``python -m gefen_dist.checkpoint consolidate``)."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"{load_dir} has no 'latest' file: name the tag")
+        with open(latest) as fd:
+            tag = fd.read().strip()
+    tag_dir = os.path.join(load_dir, str(tag))
+    path = os.path.join(tag_dir, _ZERO3_MODEL.format(mp=mp_rank))
+    if not os.path.isfile(path):
+        path = os.path.join(tag_dir, _MODEL.format(mp=mp_rank))
+    return SavedZero(path, _read(path, "the model states"), mp_rank)
 
 
 def _recut_on_load() -> None:
