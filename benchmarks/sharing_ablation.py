@@ -25,11 +25,22 @@ as the seeds describe (``reference``, the factor). It measures what the factor e
 own fold, as Gefen had it before e80940f, where it now takes the factor from v_cross as the
 steps before left it. ``results/stale_factor.md`` ran the same pair the other way round, at
 9b5b00c, as ``stale`` against the then as-built: what the one step of lag costs.
+
+``--lr-factor F`` trains at F x the task's lr, exactly as ``python -m gefen_dist.bench compare
+--lr-sweep`` does (``sweep.swept``: the peak lr scaled, schedule and everything else unchanged),
+so a gap the sweep reports at AdamW's best lr can be taken apart at that lr (the GRU's is x3,
+``results/gru_high_lr.md``).
+
+``--out runs.jsonl`` appends every run's record (config, seed, lr factor, diagnostics, final
+metrics, chosen blocks, a hash of the package's sources) and reuses a record with the same key
+on a rerun: AdamW's seeds are trained once for every ablation of one task and lr, and an
+interrupted batch resumes. The hash keeps records of edited code (a new block rule) apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -80,12 +91,19 @@ def _force_current(gopt) -> None:
 
 
 def _child(
-    task: str, optimizer: str, seed: int, config: str, scale: float, rounding: str, v: str
+    task: str,
+    optimizer: str,
+    seed: int,
+    config: str,
+    scale: float,
+    rounding: str,
+    v: str,
+    lr_factor: float,
 ) -> None:
     sys.path.insert(0, str(ROOT))
     from gefen_dist import optimizer as gopt
     from gefen_dist.backends import reference
-    from gefen_dist.bench import suite, tasks
+    from gefen_dist.bench import suite, sweep, tasks
     from gefen_dist.method import partition
 
     if rounding != "as-built":
@@ -95,7 +113,7 @@ def _child(
     if v == "current":
         _force_current(gopt)
 
-    spec = tasks.scaled(tasks.TASKS[task], scale)
+    spec = sweep.swept(tasks.scaled(tasks.TASKS[task], scale), lr_factor)
     names = [n for n, p in tasks.build(spec, seed).model.named_parameters() if p.requires_grad]
     rules = [r.split("=") for r in config.split(",") if r]
     chosen = partition.choose_block_size
@@ -110,31 +128,67 @@ def _child(
         calls.append((name, b))
         return b
 
-    gopt.partition.choose_block_size = override
+    partition.choose_block_size = override  # first_step reads it from the module
     rec = suite.run_one(spec, optimizer, seed)
+    if rec["status"] != "ok":  # diverged: a loss of inf, so that the table shows it
+        rec = dict(final=dict(val_loss=float("inf")), bytes_per_param=float("nan"), **rec)
     print(
         json.dumps(
             dict(
                 final=rec["final"],
                 bytes_per_param=rec["bytes_per_param"],
                 blocks=calls,
+                curve=rec.get("curve", []),
             )
         )
     )
 
 
-def _run(task, optimizer, seed, config, scale, rounding, v) -> dict:
-    cmd = [sys.executable, __file__, "--child", task, optimizer, str(seed), config, str(scale)]
+def source_hash() -> str:
+    """Hash of the package's Python sources: a record is reused only for the code it ran."""
+    h = hashlib.sha1()
+    for f in sorted((ROOT / "gefen_dist").rglob("*.py")):
+        h.update(f.relative_to(ROOT).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _run(task, optimizer, seed, config, scale, rounding, v, lr_factor, cache, out) -> dict:
     gefen = optimizer.startswith("gefen")
-    cmd += [rounding if gefen else "as-built", v if gefen else "as-built"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    rounding, v = (rounding, v) if gefen else ("as-built", "as-built")
+    key = "|".join(
+        map(str, (task, optimizer, seed, config, scale, lr_factor, rounding, v, cache["src"]))
+    )
+    if key in cache:
+        return cache[key]
+    cmd = [sys.executable, __file__, "--child", task, optimizer, str(seed), config, str(scale)]
+    cmd += [rounding, v, str(lr_factor)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rec = json.loads(proc.strip().splitlines()[-1])
+    if out:
+        row = dict(
+            key=key,
+            task=task,
+            optimizer=optimizer,
+            seed=seed,
+            config=config,
+            scale=scale,
+            lr_factor=lr_factor,
+            rounding=rounding,
+            second_moment=v,
+            src=cache["src"],
+            **rec,
+        )
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    cache[key] = rec
+    return rec
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        task, optimizer, seed, config, scale, rounding, v = sys.argv[2:9]
-        _child(task, optimizer, int(seed), config, float(scale), rounding, v)
+        task, optimizer, seed, config, scale, rounding, v, lr_factor = sys.argv[2:10]
+        _child(task, optimizer, int(seed), config, float(scale), rounding, v, float(lr_factor))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", default="llama")
@@ -142,6 +196,13 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=[""])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument(
+        "--lr-factor",
+        type=float,
+        default=1.0,
+        help="peak lr = this x the task's lr, as the lr sweep scales it (sweep.swept)",
+    )
+    ap.add_argument("--out", help="JSONL of runs: appended, and matching records reused")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--rounding", choices=("as-built", "nearest", "stochastic"), default="as-built")
     ap.add_argument(
@@ -159,9 +220,26 @@ def main() -> None:
     jobs += [
         (args.optimizer, c, v, s) for c in args.configs for v in moments for s in range(args.seeds)
     ]
+    cache: dict = {"src": source_hash()}
+    if args.out and Path(args.out).exists():
+        for line in Path(args.out).read_text().splitlines():
+            r = json.loads(line)
+            cache[r["key"]] = r
     with ThreadPoolExecutor(args.jobs) as pool:
         futs = {
-            j: pool.submit(_run, args.task, j[0], j[3], j[1], args.scale, args.rounding, j[2])
+            j: pool.submit(
+                _run,
+                args.task,
+                j[0],
+                j[3],
+                j[1],
+                args.scale,
+                args.rounding,
+                j[2],
+                args.lr_factor,
+                cache,
+                args.out,
+            )
             for j in jobs
         }
         res = {j: f.result() for j, f in futs.items()}
@@ -170,12 +248,13 @@ def main() -> None:
     base = {s: res[("adamw", "", "as-built", s)]["final"][metric] for s in seeds}
     acc = "val_acc" in res[("adamw", "", "as-built", 0)]["final"]
     print(
-        f"task {args.task}, {args.optimizer}, scale {args.scale}, seeds 0..{args.seeds - 1}, "
+        f"task {args.task}, {args.optimizer}, scale {args.scale}, lr x{args.lr_factor:g}, "
+        f"seeds 0..{args.seeds - 1}, sources {cache['src']}, "
         f"rounding of m: {args.rounding}, second moment: {', '.join(moments)}"
     )
     print(
-        "| config | val loss (mean) | vs AdamW, paired (mean ± std) | vs the first config, paired "
-        f"(mean ± std, t) |{' val acc vs AdamW (points) |' if acc else ''} bytes/param |"
+        "| config | val loss (mean) | vs AdamW, paired (mean ± std, t) | vs the first config, "
+        f"paired (mean ± std, t) |{' val acc vs AdamW (points) |' if acc else ''} bytes/param |"
     )
     print(f"|---|---|---|---|{'---|' if acc else ''}---|")
     print(f"| AdamW | {statistics.mean(base.values()):.4f} | | |{' |' if acc else ''} 8.00 |")
@@ -189,7 +268,7 @@ def main() -> None:
         cells = [
             (c or "as chosen") + ("" if len(moments) == 1 else f", {v}"),
             f"{statistics.mean(vals.values()):.4f}",
-            _mean_sd(diffs, "%"),
+            _mean_sd(diffs, "%", t=True),
             "" if vals is first else _mean_sd(rel, "%", t=True),
         ]
         if acc:

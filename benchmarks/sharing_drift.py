@@ -11,12 +11,22 @@ measures on AdamW's own state what Gefen's choices would cost there:
   (block absmax, the codebook Gefen learns from g0 at that bit width): the relative error of the
   update direction that quantising the first moment alone causes.
 
+- ``+ factor``: the v spread left by what Gefen divides by, block v x its cross factor (the
+  rank-1 fit of the (blocks, positions) view, ``reference.cross_factor``; the tensor's share of
+  positions whose factor the floor CROSS_FLOOR clamps is ``clamped``). Under MIN_CROSS_BLOCKS
+  blocks there is no factor and this is the v spread itself.
+- ``B now``: the block size the partition would choose from this step's gradient: whether the
+  first gradient's choice is still the one the gradients support.
+
 Both are printed for the blocks Gefen chose and, as yardsticks, for rows (a linear layer's
 output neuron, Adam-mini's rule) and columns where the tensor has them; the v spread also for a
 rank-1 fit, row mean x column mean / mean (Adafactor's factored v), which is what sharing over
 one axis cannot represent: the rows' and the columns' scales at once.
 
     python benchmarks/sharing_drift.py --task gru --steps 1,50,200,440 --bits 8
+    python benchmarks/sharing_drift.py --task gru --scale 1 --lr-factor 3 --steps 1,20,55,110,220
+
+``--lr-factor`` trains at that multiple of the task's lr, as the lr sweep does (``sweep.swept``).
 """
 
 from __future__ import annotations
@@ -31,8 +41,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gefen_dist import Gefen  # noqa: E402
-from gefen_dist.bench import tasks  # noqa: E402
+from gefen_dist.bench import sweep, tasks  # noqa: E402
+from gefen_dist.method import partition  # noqa: E402
 from gefen_dist.method.codes import midpoints, quantize  # noqa: E402
+from gefen_dist.method.state import CROSS_FLOOR, MIN_CROSS_BLOCKS  # noqa: E402
 
 
 def blocks(x: torch.Tensor, b: int) -> torch.Tensor:
@@ -54,6 +66,19 @@ def factored_spread(v: torch.Tensor) -> float:
     v2 = v.double().clamp_min(1e-30).reshape(v.shape[0], -1)
     fit = v2.mean(dim=1, keepdim=True) * v2.mean(dim=0, keepdim=True) / v2.mean()
     return float((0.5 * (v2 / fit).log()).pow(2).mean().sqrt())
+
+
+def blocks_factored(v: torch.Tensor, b: int) -> tuple[float, float]:
+    """v spread left by block v x Gefen's cross factor (rank-1 fit of the blocks view), and the
+    share of positions whose factor the floor clamps; a tensor of fewer than MIN_CROSS_BLOCKS
+    blocks keeps no factor (``state.cross_length``): its block v alone, nothing clamped."""
+    vb = blocks(v.double().clamp_min(1e-30), b)
+    if vb.shape[0] < MIN_CROSS_BLOCKS:
+        return v_spread(v, b), 0.0
+    c = vb.mean(dim=0, keepdim=True) / vb.mean()
+    clamped = float((c < CROSS_FLOOR).double().mean())
+    fit = vb.mean(dim=1, keepdim=True) * c.clamp_min(CROSS_FLOOR)
+    return float((0.5 * (vb / fit).log()).pow(2).mean().sqrt()), clamped
 
 
 def m_error(m: torch.Tensor, v: torch.Tensor, b: int, levels: torch.Tensor, eps: float) -> float:
@@ -86,9 +111,10 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=8, choices=(4, 8))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=2.0, help="task length, as bench --scale")
+    ap.add_argument("--lr-factor", type=float, default=1.0, help="lr x this, as the lr sweep")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    spec = tasks.scaled(tasks.TASKS[a.task], a.scale)
+    spec = sweep.swept(tasks.scaled(tasks.TASKS[a.task], a.scale), a.lr_factor)
     h = spec.hyper
     at = sorted({int(s) for s in a.steps.split(",") if 0 < int(s) <= h.steps})
     inst = tasks.build(spec, a.seed)
@@ -120,7 +146,9 @@ def main() -> None:
             cols = [("Gefen", b)]
             cols += [("rows", row)] if row and row != b else []
             cols += [("columns", -row)] if row and -row != b else []
+            now = partition.block_size_for(p.grad)
             for label, bb in cols:
+                fs, cl = blocks_factored(v, bb)
                 rows_out.append(
                     (
                         step,
@@ -129,6 +157,9 @@ def main() -> None:
                         f"{label} {'col' + str(-bb) if bb < 0 else bb}",
                         v_spread(v, bb),
                         m_error(m, v, bb, levels, opt.param_groups[0]["eps"]),
+                        fs,
+                        cl,
+                        now,
                     )
                 )
             if row:
@@ -140,22 +171,35 @@ def main() -> None:
                         "row x column (rank 1)",
                         factored_spread(v),
                         math.nan,
+                        math.nan,
+                        math.nan,
+                        now,
                     )
                 )
-    print(f"task {a.task}, seed {a.seed}, scale {a.scale} ({h.steps} steps), {a.bits}-bit codebook")
-    print("| step | tensor | shape | blocks | v spread | m error |")
-    print("|---|---|---|---|---|---|")
-    for step, name, shape, label, vs, me in rows_out:
-        print(f"| {step} | {name} | {shape} | {label} | {vs:.3f} | {me:.3f} |")
+    print(
+        f"task {a.task}, seed {a.seed}, scale {a.scale} ({h.steps} steps), lr {h.lr:g}, "
+        f"{a.bits}-bit codebook"
+    )
+    print("| step | tensor | shape | blocks | v spread | + factor | clamped | m error | B now |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for step, name, shape, label, vs, me, fs, cl, now in rows_out:
+        print(
+            f"| {step} | {name} | {shape} | {label} | {vs:.3f} | {fs:.3f} | {cl:.3f} | {me:.3f} "
+            f"| {now} |"
+        )
     print("\nmean v spread over the tensors with rows, per step:")
-    print("| step | Gefen's blocks | rank-1 fit |")
-    print("|---|---|---|")
+    print("| step | Gefen's blocks | + factor | rank-1 fit |")
+    print("|---|---|---|---|")
     for step in at:
         mine = [r for r in rows_out if r[0] == step and len(r[2]) >= 2]
         gefen = [r[4] for r in mine if r[3].startswith("Gefen")]
+        fact = [r[6] for r in mine if r[3].startswith("Gefen")]
         rank1 = [r[4] for r in mine if r[3].startswith("row x column")]
         if gefen and rank1:
-            print(f"| {step} | {sum(gefen) / len(gefen):.3f} | {sum(rank1) / len(rank1):.3f} |")
+            print(
+                f"| {step} | {sum(gefen) / len(gefen):.3f} | {sum(fact) / len(fact):.3f} "
+                f"| {sum(rank1) / len(rank1):.3f} |"
+            )
     worst = max(rows_out, key=lambda r: r[4]) if rows_out else None
     if worst:
         print(
