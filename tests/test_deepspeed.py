@@ -151,16 +151,18 @@ def test_unsupported_configurations_fail_clearly(runs):
     assert "not saved under DeepSpeed" in refused["plain_state"]
     # ZeRO-2 with round-robin gradients orders tensors differently from ZeRO-1: Gefen's own check
     assert "a different model or sharding" in refused["zero2_into_zero1"]
-    # Through the engine, DeepSpeed itself stops a ZeRO-2 checkpoint from loading into ZeRO-3.
-    assert refused["zero2_into_zero3_engine"] is not None
+    # Through the engine a ZeRO-2 checkpoint loads into ZeRO-3: Gefen re-cuts it (DeepSpeed
+    # alone would find no file it can read).
+    assert refused["zero2_into_zero3_engine"] is None, refused["zero2_into_zero3_engine"]
 
 
-def test_changed_world_size_is_refused(runs):
+def test_a_checkpoint_loads_at_another_world_size(runs):
+    """Saved on 2 ranks, loaded by 1: Gefen's state is re-cut (tests/test_zero_elastic.py
+    measures how close the resumed run stays)."""
     _, resized = runs
     assert resized["world_size"] == 1
     for name in ("zero2", "zero3"):
-        msg = resized[name]
-        assert msg is not None and "world size of 2" in msg, msg
+        assert resized[name] is None, resized[name]
 
 
 def test_zero_to_fp32_reads_gefen_checkpoints(runs):
