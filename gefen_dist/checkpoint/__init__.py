@@ -16,14 +16,13 @@ From the command line, for a DCP checkpoint directory (FSDP2's ``dcp.save``, or
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..integrations.fsdp import _FORMAT, RUN_KEY
+from ..integrations import fsdp
 from ..method import portable
 from ..method.segments import Segment
 
@@ -64,26 +63,13 @@ def gefen_entries(tree: Any, where: str = "") -> list[tuple[str, dict]]:
     return out
 
 
-def _payload(blob: Any, key: str, where: str) -> dict:
-    if not isinstance(blob, bytes):
-        raise ValueError(f"{where}: {key!r} is {type(blob).__name__}, expected bytes")
-    try:
-        payload = torch.load(io.BytesIO(blob), weights_only=True)
-    except Exception as e:
-        msg = f"{where}: {key!r} is not a readable state ({type(e).__name__}: {e})"
-        raise ValueError(msg) from None
-    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-        raise ValueError(f"{where}: {key!r} is not a {_FORMAT} entry")
-    return payload
-
-
 def consolidate_entry(entry: Mapping[str, Any], where: str) -> dict[str, torch.Tensor] | None:
     """One parameter's per-rank entries as the single-process state of the whole tensor, or
     None where no rank had stepped it. Every rank of the saving world must be there."""
     keys = sorted((k for k in entry if k.startswith(_RANK_PREFIX)), key=lambda k: int(k[10:]))
-    payloads = [_payload(entry[k], k, where) for k in keys]
+    payloads = [fsdp.read_entry(entry[k], k, where) for k in keys]
     world = {p["world_size"] for p in payloads}
-    runs = {p["run"] for p in payloads} | {entry.get(RUN_KEY)}
+    runs = {p["run"] for p in payloads} | {entry.get(fsdp.RUN_KEY)}
     if len(world) != 1 or len(runs) != 1:
         raise ValueError(f"{where}: its entries come from different runs or world sizes")
     (n,) = world
@@ -91,18 +77,9 @@ def consolidate_entry(entry: Mapping[str, Any], where: str) -> dict[str, torch.T
     if ranks != list(range(n)):
         missing = sorted(set(range(n)) - set(ranks))
         raise ValueError(f"{where}: the checkpoint lacks the state of rank(s) {missing} of {n}")
-    stepped = [p for p in payloads if p["step"] is not None]
-    if not stepped:
+    tensors = fsdp.merge_entries(payloads, entry.get("codebook"), where)
+    if not tensors:
         return None
-    parts, shapes = [], set()
-    for p in stepped:
-        st = {**p["tensors"], "step": torch.tensor(p["step"])}
-        if "codebook" not in st:  # a DTensor parameter's codebook, kept beside the entries
-            st["codebook"] = entry["codebook"]
-        segs = [Segment(o, m, s, tuple(sh), name) for o, m, s, sh, name in p["segments"]]
-        shapes |= {(s.name, s.shape) for s in segs if s.name}
-        parts += portable.export(st, segs)
-    tensors = portable.merge(parts)
     if len(tensors) > 1:
         # an FSDP1 flat parameter's entries, copied to each of its tensors' FQNs: this one's
         named = [n for n in tensors if where == n or where.endswith(f".{n}")]
@@ -114,9 +91,6 @@ def consolidate_entry(entry: Mapping[str, Any], where: str) -> dict[str, torch.T
             "consolidates where its entries are keyed by their tensors' FQNs)"
         )
     (ts,) = tensors.values()
-    gaps = ts.missing()
-    if gaps:
-        raise ValueError(f"{where}: no rank holds elements {gaps} of {ts.shape}")
     return portable.install(tensors, [Segment(0, ts.numel, 0, ts.shape, ts.name)], "cpu")
 
 

@@ -99,7 +99,7 @@ from ..method.segments import Segment
 from ..method.state import STATE_KEYS
 from ..optimizer import Gefen
 
-__all__ = ["configure", "configure_found", "RANK_KEY"]
+__all__ = ["configure", "configure_found", "merge_entries", "read_entry", "RANK_KEY"]
 
 RANK_KEY = "gefen.rank{}"
 RUN_KEY = "gefen.run"
@@ -494,16 +494,17 @@ def _gather_whole(
     if not keep:
         return None
     name = integ.names.get(p) or opt._name(p)
-    payloads = [_read(b, RANK_KEY.format(r), name) for r, b in enumerate(every)]
-    tensors = _merged(payloads, None, name)
+    payloads = [read_entry(b, RANK_KEY.format(r), name) for r, b in enumerate(every)]
+    tensors = merge_entries(payloads, None, name)
     if not tensors:
         return None
     (ts,) = tensors.values()
     return portable.install(tensors, [Segment(0, ts.numel, 0, ts.shape, ts.name)], "cpu")
 
 
-def _read(blob: Any, key: str, name: str) -> dict:
-    """One rank's entry as its payload, refusing what no Gefen wrote, by name."""
+def read_entry(blob: Any, key: str, name: str) -> dict:
+    """One rank's entry as its payload, refusing what no Gefen wrote, by name (also what
+    ``gefen_dist.checkpoint`` reads a checkpoint's entries with)."""
     if not isinstance(blob, bytes):
         raise ValueError(f"Gefen state for {name}: expected bytes, got {type(blob).__name__}")
     try:
@@ -518,7 +519,7 @@ def _read(blob: Any, key: str, name: str) -> dict:
     return payload
 
 
-def _merged(
+def merge_entries(
     payloads: list[dict], codebook: torch.Tensor | None, name: str
 ) -> dict[str, portable.TensorState]:
     """Every tensor whose pieces the payloads hold, put together (``portable.merge``); each
@@ -585,7 +586,7 @@ def _unpack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]
 
 
 def _saved_by(blob: Any, key: str, name: str) -> tuple[int, int]:
-    payload = _read(blob, key, name)
+    payload = read_entry(blob, key, name)
     return payload["rank"], payload["world_size"]
 
 
@@ -596,7 +597,7 @@ def _recut(
     of another world size (``method.portable``: what is exact, what is merged or split). Every
     rank of the saving world must be there: FSDP1's full state dicts carry them all (this
     hook gathers a flat parameter's), a sharded one a single rank's."""
-    payloads = [_read(entry[k], k, name) for k in ranks]
+    payloads = [read_entry(entry[k], k, name) for k in ranks]
     saved_world = {pl["world_size"] for pl in payloads}
     runs = {pl["run"] for pl in payloads} | {entry.get(RUN_KEY)}
     if len(saved_world) != 1 or len(runs) != 1:
@@ -622,7 +623,7 @@ def _recut(
             f"Gefen state for {name}: the entries' step {sorted(steps)} is not the "
             f"checkpoint's ({None if step is None else float(step)})"
         )
-    tensors = _merged(payloads, entry.get("codebook"), name)
+    tensors = merge_entries(payloads, entry.get("codebook"), name)
     named = [s for s in segs if s.name and s.numel]
     if not tensors or not named:
         return None
@@ -668,18 +669,7 @@ def _decode(
     entry: dict[str, Any], key: str, segs: list[Segment], rank: int, world: int, name: str
 ) -> dict[str, torch.Tensor] | None:
     """This rank's Gefen state from its entry, or None where it saved none."""
-    blob, step = entry[key], entry.get("step")
-    if not isinstance(blob, bytes):
-        raise ValueError(f"Gefen state for {name}: expected bytes, got {type(blob).__name__}")
-    try:
-        payload = torch.load(io.BytesIO(blob), weights_only=True)
-    except Exception as e:  # a truncated or damaged entry: name it, not torch's reader
-        raise ValueError(
-            f"Gefen state for {name}: entry {key!r} is not a readable state "
-            f"({type(e).__name__}: {e})"
-        ) from None
-    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-        raise ValueError(f"Gefen state for {name} is not a {_FORMAT} entry")
+    payload, step = read_entry(entry[key], key, name), entry.get("step")
     if payload["world_size"] != world or payload["rank"] != rank:
         raise ValueError(
             f"Gefen state for {name} was saved by rank {payload['rank']} of "
