@@ -785,6 +785,7 @@ def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device)
     """Load what ``save_checkpoint`` wrote (``d`` a complete checkpoint, as ``find_checkpoint``
     names it) into the freshly built model and optimizer; returns this rank's trainer state."""
     mode = cfg["sharding"]["mode"]
+    rank, world, saved = dist.get_rank(), dist.get_world_size(), saved_world(d)
     if engine is not None:
         path, _ = engine.load_checkpoint(str(d), tag="deepspeed")
         if path is None:
@@ -795,7 +796,7 @@ def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device)
         ck = torch.load(d / "ddp.pt", map_location=device, weights_only=True)
         model.module.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optim"])
-    elif saved_world(d) != dist.get_world_size():
+    elif saved != world:
         load_elsewhere(d / "dcp", model, opt)
     else:
         import torch.distributed.checkpoint as dcp
@@ -804,8 +805,7 @@ def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device)
         msd, osd = get_state_dict(model, opt)
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(d / "dcp"))
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if saved_world(d) == world:
+    if saved == world:
         return torch.load(d / TRAINER_FILE.format(rank), weights_only=True)
     trainer = torch.load(d / TRAINER_FILE.format(0), weights_only=True)
     gen = torch.Generator().manual_seed(1000 * cfg["seed"] + 7919 * trainer["step"] + rank)

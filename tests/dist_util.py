@@ -71,3 +71,11 @@ def duplicated_cross_bytes(memory_reports: list[dict]) -> int:
         for name, entries in rep["spread_v_cross"].items():
             kept.setdefault(name, []).append(entries)
     return 4 * sum(sum(e) - max(e) for e in kept.values())
+
+
+def resume_drift(uninterrupted: list[float], resumed: list[float], save_at: int) -> list[float]:
+    """Each resumed step's relative loss difference from the run that never stopped, from the
+    step after the checkpoint at ``save_at`` on; the two runs must cover the same steps."""
+    base = uninterrupted[save_at:]
+    assert len(resumed) == len(base), (len(resumed), len(base))
+    return [abs(a - b) / b for a, b in zip(resumed, base, strict=True)]
