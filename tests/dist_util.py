@@ -19,7 +19,11 @@ def free_port() -> int:
 
 
 def _env(extra: dict | None) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    # the checkout holding these tests comes first, so a second checkout tests its own code,
+    # not the one pip installed in editable mode
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(here), str(here.parent)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     env.update(extra or {})
     return env
 
