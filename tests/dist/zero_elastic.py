@@ -7,6 +7,11 @@ Run by tests/test_zero_elastic.py under the deepspeed launcher:
   (``engine.save_checkpoint(OUT/ckpt)``) after SAVE_AT steps, on to STEPS: the uninterrupted run.
 - ``resume OUT CKPT STAGE``: the same engine built afresh at this world and stage, then just
   ``engine.load_checkpoint(CKPT)``, and steps SAVE_AT .. STEPS.
+- ``from_one OUT PT``: a single-process checkpoint (``{"model": model.state_dict(), "optim":
+  opt.state_dict()}`` after SAVE_AT steps) into a ZeRO-1, a ZeRO-2 and a ZeRO-3 engine in turn
+  (the weights into the model before ``deepspeed.initialize``, the state through
+  ``load_optimizer_state``), each stepping SAVE_AT .. STEPS; and the same state into an engine
+  of another model, which must be refused.
 - ``refuse OUT CKPT STAGE``: loads that must be refused by name (another model, a rank's file
   deleted, a file cut short, an entry cut short), each into a fresh engine whose weights must
   be untouched by the refused load.
@@ -53,9 +58,11 @@ def param_groups(model):
     ]
 
 
-def engine(stage: int, cfg: GPTConfig = TINY):
+def engine(stage: int, cfg: GPTConfig = TINY, weights: dict | None = None):
     torch.manual_seed(0)
     model = GPT(cfg)
+    if weights is not None:
+        model.load_state_dict(weights)
     opt = Gefen(param_groups(model), lr=LR, bits=BITS)
     zero = {"stage": stage}
     if stage == 3:  # partition every tensor (by default ZeRO-3 keeps small ones whole)
@@ -104,6 +111,23 @@ def resume(ckpt: str, stage: int) -> dict:
     res["blocks"] = gd.block_sizes(eng)
     res["losses"] = train(eng, SAVE_AT, STEPS)
     res["wrapper"] = gd.memory_report(eng)["wrapper"]
+    return res
+
+
+def from_one(pt: str) -> dict:
+    tree = torch.load(pt, weights_only=True)
+    res = {}
+    for stage in (1, 2, 3):
+        eng = engine(stage, weights=tree["model"])
+        gd.load_optimizer_state(eng, tree["optim"])
+        blocks = gd.block_sizes(eng)
+        losses = train(eng, SAVE_AT, STEPS)
+        res[f"z{stage}"] = dict(
+            losses=losses, blocks=blocks, wrapper=gd.memory_report(eng)["wrapper"]
+        )
+        del eng
+        gc.collect()
+    res["another_model"] = refused(lambda e: gd.load_optimizer_state(e, tree["optim"]), 2, WIDE)
     return res
 
 
@@ -161,6 +185,8 @@ def main() -> None:
         res.update(save(out, int(args[2])))
     elif mode == "resume":
         res.update(resume(args[2], int(args[3])))
+    elif mode == "from_one":
+        res.update(from_one(args[2]))
     else:
         res.update(refuse(out, args[2], int(args[3])))
     out.mkdir(parents=True, exist_ok=True)
