@@ -36,12 +36,17 @@ torch.save by rank 0, FSDP1/FSDP2 torch.distributed.checkpoint, DeepSpeed
 ``engine.save_checkpoint``, Accelerate ``save_state``; every rank adds its step, data generator
 and loss curve. ``--resume DIR`` continues that run from the newest complete checkpoint in DIR
 (or from DIR itself, where it is one): same config (``checkpoint.*`` aside) and launcher. At
-the same world size it continues with the same losses as a run never stopped. DDP and FSDP2
-runs also resume at another world size (``ELASTIC``): the model reshards through DCP, and
-Gefen's per-rank state is consolidated into each tensor's whole state and re-cut for the new
-ranks (``gefen_dist.checkpoint``, ``docs/checkpoints.md``: how close that is); each rank keeps
-the step, the lr schedule and the curve, and draws its batches from a generator seeded by the
-seed, the step and its new rank, since the old ranks' streams do not map onto new ones.
+the same world size it continues with the same losses as a run never stopped. Every mode but
+HSDP also resumes at another world size (``ELASTIC``), through the framework's own load where
+that re-cuts Gefen's state: DeepSpeed's ``engine.load_checkpoint`` (re-cut by
+``gefen_dist.integrations.deepspeed``) and Accelerate's ``load_state`` (DDP, or DeepSpeed;
+Accelerate's FSDP is refused, as its full-state load is FSDP1's ``rank0_only``). FSDP2 and
+FSDP1 read their DCP checkpoint whole (``gefen_dist.checkpoint.read_dcp``): FSDP2 reshards
+the model through DCP and re-cuts Gefen's consolidated state, FSDP1 loads the whole model and
+optimizer dicts through ``FSDP.optim_state_dict_to_load``. ``docs/checkpoints.md`` says how
+close each is. Each rank keeps the step, the lr schedule and the curve, and draws its batches
+from a generator seeded by the seed, the step and its new rank, since the old ranks' streams
+do not map onto new ones.
 
 A save can be cut short by a killed rank at any point, and must then never pass for a complete
 one, whatever the framework wrote (DCP's ``.metadata``, DeepSpeed's ``latest``). So every save of
@@ -398,7 +403,7 @@ def check_launcher(cfg: dict, argv: list[str]) -> None:
     )
 
 
-ELASTIC = ("ddp", "fsdp2")
+ELASTIC = ("ddp", "fsdp1", "fsdp2", "deepspeed", "accelerate")
 """Sharding modes whose checkpoints resume at another world size (module docstring)."""
 
 
@@ -791,11 +796,22 @@ def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device)
         if path is None:
             raise FileNotFoundError(f"{d}: no DeepSpeed checkpoint (tag 'deepspeed')")
     elif accelerator is not None:
+        from accelerate.utils import DistributedType
+
+        if saved != world and accelerator.distributed_type == DistributedType.FSDP:
+            raise ConfigError(
+                f"checkpoint.resume {str(d)!r}: saved by {saved} processes, resumed by {world} "
+                "under Accelerate's FSDP, whose load at another world size is not supported "
+                "(its full optimizer state dict loads rank0_only, which Gefen's FSDP1 state "
+                "cannot take): resume at the saved world size"
+            )
         accelerator.load_state(str(d / "accelerate"))
     elif mode == "ddp":
         ck = torch.load(d / "ddp.pt", map_location=device, weights_only=True)
         model.module.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optim"])
+    elif saved != world and mode == "fsdp1":
+        load_fsdp1_elsewhere(d / "dcp", model, opt)
     elif saved != world:
         load_elsewhere(d / "dcp", model, opt)
     else:
@@ -836,6 +852,22 @@ def load_elsewhere(dcp_dir: Path, model, opt) -> None:
     set_model_state_dict(model, msd)
     osd, _ = checkpoint.consolidate(checkpoint.read_dcp(dcp_dir, prefix="optim.")["optim"])
     checkpoint.load_optimizer(opt, model, osd)
+
+
+def load_fsdp1_elsewhere(dcp_dir: Path, model, opt) -> None:
+    """An FSDP1 checkpoint of another world size: the DCP directory read whole in every rank,
+    then loaded as full state dicts, FSDP's ``optim_state_dict_to_load`` cutting each rank's
+    flat shards and Gefen's state with them (``gefen_dist.integrations.fsdp``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    from gefen_dist import checkpoint
+
+    tree = checkpoint.read_dcp(dcp_dir)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        model.load_state_dict(tree["model"])
+        osd = FSDP.optim_state_dict_to_load(model, opt, tree["optim"])
+    opt.load_state_dict(osd)
 
 
 def _hash_tensor(h, name: str, t: torch.Tensor) -> None:

@@ -296,14 +296,19 @@ def test_accelerate_deepspeed_refuses_a_config_that_builds_another_optimizer(tmp
     assert not out.exists()
 
 
-@pytest.mark.parametrize("config", ["fsdp2.yaml", "ddp.yaml"])
+@pytest.mark.parametrize(
+    "config",
+    ["fsdp2.yaml", "ddp.yaml", "fsdp1.yaml", "deepspeed_zero2.yaml", "accelerate.yaml"],
+)
 def test_a_run_resumes_at_another_world_size(config, tmp_path):
     """Saved by 2 ranks at step 3 of 6, resumed by 1 and (FSDP2) by 4: the run continues from
     the saved step and curve and its loss goes on falling; under DDP the one rank holds the
     saved state's bytes exactly (whole tensors, the saved blocks: a run started on one rank
     would choose its blocks from other batches). The Gefen state's re-cut is tested step by
-    step in tests/test_elastic.py; here it is the launcher's path: DCP for the model, the
-    consolidated optimizer state, a new data stream."""
+    step in tests/test_elastic.py, tests/test_fsdp_elastic.py, tests/test_zero_elastic.py and
+    tests/test_accelerate_elastic.py; here it is the launcher's path: each framework's load,
+    the trainer state of rank 0, a new data stream. Every launch is torchrun's (the deepspeed
+    and Accelerate modes read its environment as their own launchers')."""
     ck = tmp_path / "ck"
     six = [*TINY, "--set", "steps=6"]
     _launch("torchrun", config, tmp_path / "saving.json", *six,
