@@ -64,6 +64,9 @@ def test_deepspeed_json(path):
         assert "bf16" not in raw and "fp16" not in raw
     else:
         assert raw["bf16"]["enabled"] == ("auto" if "_auto" in path.name else True)
+    if "_offload" in path.name:  # ZeRO-Offload: Gefen steps the host partitions
+        assert stage in (2, 3) and cfg.zero_config.offload_optimizer.device == "cpu"
+        assert "zero_force_ds_cpu_optimizer" not in raw  # Gefen from the config is never checked
     opt = gd.from_config([torch.zeros(2, requires_grad=True)], cfg.optimizer_params)
     assert opt.defaults["bits"] in (4, 8)
 

@@ -23,6 +23,13 @@ Importing this module registers Gefen as a ZeRO-supported optimizer (no
 on a Gefen optimizer as soon as its ZeRO wrapper exists, before any step or checkpoint load.
 ``configure(engine)`` does the same by hand (for a wrapper built some other way) and is idempotent.
 
+ZeRO-Offload (``offload_optimizer: {"device": "cpu"}``, stages 2 and 3) hands Gefen the fp32
+partitions on the host, which Gefen steps with its C++ kernel (``backends.native_cpu``, chosen
+for CPU tensors). DeepSpeed refuses a client optimizer under offload unless
+``zero_force_ds_cpu_optimizer`` is false, lest a torch optimizer step the host slowly; for a
+Gefen instance passed as ``optimizer=`` the check is lifted (a Gefen built by a callable
+``optimizer=`` is still checked: set the key false, or name Gefen in the config).
+
 It also lets a DeepSpeed JSON config name Gefen itself, ``"optimizer": {"type": "Gefen", "params":
 {...}}`` (the type in any case), so that launchers which build the optimizer from the config
 (``deepspeed.initialize`` without ``optimizer=``, Accelerate's ``DummyOptim``, the Hugging Face
@@ -1215,7 +1222,20 @@ def _refuse_on_configure() -> None:
 
     @functools.wraps(original)
     def _configure_optimizer(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
+        client = args[0] if args else kwargs.get("client_optimizer")
+        config = self._config
+        forced = None
+        if isinstance(client, Gefen) and self.zero_use_cpu_optimizer():
+            # ZeRO-Offload refuses client optimizers (zero_force_ds_cpu_optimizer) because a
+            # torch optimizer steps the host partitions slowly; Gefen steps them with its C++
+            # host kernel, as a config-built Gefen (never checked) does.
+            forced = config.zero_force_ds_cpu_optimizer
+            config.zero_force_ds_cpu_optimizer = False
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            if forced is not None:
+                config.zero_force_ds_cpu_optimizer = forced
         if isinstance(self.optimizer, Gefen):
             _refuse_tied_stages(self)
         return out
