@@ -35,9 +35,15 @@ def initialize(opt: Gefen, pending: list[tuple[torch.Tensor, dict]]) -> None:
     for p, group in pending:
         segs = opt._segments_for(p)
         flat_g = flat(sharding.local(p.grad), p, opt)
+        copy = sharding.is_copy(p)
         keys = []
         for i, seg in enumerate(segs):
             key = seg.name or (id(p), i)
+            seg_of[key] = seg
+            keys.append(key)
+            if copy:  # another rank of the group holds the same piece: it counts once
+                pieces.setdefault(key, [])
+                continue
             st = partition.segment_stats(
                 flat_g[seg.offset : seg.offset + seg.numel],
                 seg.start,
@@ -47,8 +53,6 @@ def initialize(opt: Gefen, pending: list[tuple[torch.Tensor, dict]]) -> None:
             if bad is None and not (math.isfinite(st.s1) and math.isfinite(st.s2)):
                 bad = opt._name(p)
             pieces.setdefault(key, []).append(st)
-            seg_of[key] = seg
-            keys.append(key)
         plan.append((p, group, segs, keys))
     if collectives.any_rank(opt._group, bad is not None):
         where = f"in {bad}" if bad is not None else "on another rank"
@@ -70,6 +74,8 @@ def initialize(opt: Gefen, pending: list[tuple[torch.Tensor, dict]]) -> None:
         counts = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64, device="cpu")
         cut = cut_block_absmax(opt, plan, block_of)
         for p, _, segs, keys in plan:
+            if sharding.is_copy(p):
+                continue
             flat_g = flat(sharding.local(p.grad), p, opt)
             for seg, key in zip(segs, keys, strict=True):
                 piece = flat_g[seg.offset : seg.offset + seg.numel]
@@ -111,7 +117,10 @@ def cut_block_absmax(opt: Gefen, plan, block_of) -> dict[Hashable, dict[int, flo
                 if run.length < bs:
                     a = seg.offset + run.elem
                     amax = float(flat_g[a : a + run.length].abs().max())
-                    local.setdefault(key, {})[(seg.start + run.elem) // bs] = amax
+                    b = (seg.start + run.elem) // bs
+                    # several of this rank's segments may cut one block (rows of a piece)
+                    had = local.setdefault(key, {}).get(b)
+                    local[key][b] = amax if had is None else max(had, amax)
     return collectives.max_cut_absmax(opt._group, local)
 
 

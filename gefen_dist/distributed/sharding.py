@@ -1,13 +1,28 @@
-"""Where a parameter's elements live: plain tensors and DTensors sharded on dim 0 over one mesh
-dimension (FSDP2, and FSDP2's HSDP: ``Replicate()`` on the other mesh dimensions).
+"""Where a parameter's elements live: plain tensors and DTensors (FSDP2, its HSDP, and FSDP2
+with tensor parallelism on a 2-D (dp, tp) mesh).
 
-A DTensor sharded on dim 0 holds, on each rank, a contiguous run of its flattened global tensor,
-which is exactly one segment. Replicated mesh dimensions (HSDP's replica groups) hold copies of
-that run and see the same averaged gradient, so the ranks that must agree on blocks, codebook and
-v_cross are those of the one sharded mesh dimension (``group_of``), and each replica group keeps
-its own identical copy of the state. Other layouts (sharding on another dim, or on several mesh
-dimensions as tensor parallelism does) would scatter a block over ranks, so they are refused by
-name rather than silently mis-blocked.
+A rank's local tensor is contiguous, and it holds, per tensor dim, some of the global indices
+(the placements say which: ``Shard``, and FSDP2's ``_StridedShard`` over a tensor-parallel
+``Shard``). Its elements, in order, are therefore runs of the global flattened tensor: one run
+when only dim 0 is cut (FSDP2), one per local row when an inner dim is cut (a ``RowwiseParallel``
+weight: some columns of every row). Each run is a segment in the original tensor's coordinates,
+so blocks lie where one process would put them and a block that a run boundary cuts keeps one
+v and absmax per piece, as FSDP's boundary cuts do.
+
+The ranks that must agree on blocks, codebook and v_cross (``group_of``) are those holding
+distinct pieces of a tensor:
+
+- a 1-D mesh (FSDP2): its group;
+- a 2-D mesh whose dim 0 is ``Replicate()`` (FSDP2's HSDP, or replicas of a tensor-parallel
+  mesh): the group of mesh dim 1; the replicas see the same averaged gradient and each replica
+  group keeps its own, identical, copy of the state;
+- a 2-D mesh whose dim 0 is sharded (FSDP2 over dp with tensor parallelism on tp): the group of
+  the whole mesh, for every parameter on it, also those ``Replicate()`` on tp (norms under
+  ``SequenceParallel``): one optimizer spans one group. Ranks holding a copy of another rank's
+  piece (a nonzero coordinate on a ``Replicate()`` mesh dim, ``is_copy``) then count nowhere
+  in the statistics or the histogram, so both are the single-process ones.
+
+Meshes of more dimensions and ``Partial()`` placements are refused by name.
 """
 
 from __future__ import annotations
@@ -19,7 +34,8 @@ from ..method.segments import Segment, plain_segments
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # a torch build without distributed
     DTensor = None
 
@@ -33,24 +49,95 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
+def _is_shard(pl: object) -> bool:
+    return isinstance(pl, (Shard, _StridedShard))
+
+
 def segments_of(p: torch.Tensor, key: str, name: str) -> list[Segment]:
     if not is_dtensor(p):
         return plain_segments(p.numel(), tuple(p.shape))
     check_layout(p, name)
     if group_of(p) is None:
         return plain_segments(p.numel(), tuple(p.shape))
+    return piece_segments(p, key)
+
+
+def dim_indices(p: torch.Tensor) -> list[torch.Tensor | None]:
+    """Per tensor dim, the global indices this rank holds, in local order (None: all, in
+    order); the same walk over the placements as DTensor's own offsets
+    (``compute_local_shape_and_global_offset``), keeping every index rather than the first."""
     shape = tuple(p.shape)
-    local_shape, offset = compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)
-    row = 1
-    for s in shape[1:]:
-        row *= s
-    numel = 1
-    for s in local_shape:
-        numel *= s
-    start = offset[0] * row if shape else 0
-    if numel == 0:
-        start = 0
-    return [Segment(offset=0, numel=numel, start=start, shape=shape, name=key)]
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate()
+    sizes = list(shape)
+    held: dict[int, torch.Tensor] = {}
+    for md, pl in enumerate(p.placements):
+        if not _is_shard(pl):
+            continue
+        size, index = _get_shard_size_and_offsets(
+            sizes[pl.dim], mesh.size(md), coord[md], pl, held.get(pl.dim), shape[pl.dim], False
+        )
+        sizes[pl.dim] = size
+        held[pl.dim] = index[:size]
+    out: list[torch.Tensor | None] = []
+    for d, n in enumerate(shape):
+        ix = held.get(d)
+        out.append(None if ix is None or torch.equal(ix, torch.arange(n)) else ix.long())
+    return out
+
+
+def piece_segments(p: torch.Tensor, key: str) -> list[Segment]:
+    """This rank's local tensor as the runs of the global flattened tensor it holds, in local
+    order: consecutive local runs that are consecutive globally are one segment."""
+    shape = tuple(p.shape)
+    lt = local(p)
+    if lt.numel() == 0 or not shape:
+        return [Segment(offset=0, numel=lt.numel(), start=0, shape=shape, name=key)]
+    ix = dim_indices(p)
+    full = [torch.arange(n) if i is None else i for i, n in zip(ix, shape, strict=True)]
+    if tuple(len(i) for i in full) != tuple(lt.shape):
+        raise RuntimeError(
+            f"{key}: local tensor {tuple(lt.shape)} is not the piece its placements "
+            f"{tuple(p.placements)} give ({tuple(len(i) for i in full)})"
+        )
+    k = len(shape) - 1
+    while k >= 0 and ix[k] is None:
+        k -= 1
+    if k < 0:
+        return [Segment(offset=0, numel=lt.numel(), start=0, shape=shape, name=key)]
+    inner = 1
+    for n in shape[k + 1 :]:
+        inner *= n
+    gstride = [inner]
+    for n in reversed(shape[1 : k + 1]):
+        gstride.insert(0, gstride[0] * n)
+    # runs of consecutive indices along dim k
+    d = full[k]
+    cut = torch.ones(len(d), dtype=torch.bool)
+    cut[1:] = d[1:] != d[:-1] + 1
+    first = torch.nonzero(cut).view(-1)
+    length = torch.diff(first, append=torch.tensor([len(d)]))
+    # the global offset of each local row of dims < k, in local (C) order
+    rows = torch.zeros(1, dtype=torch.long)
+    for i, s in zip(full[:k], gstride[:k], strict=True):
+        rows = (rows[:, None] + i[None, :] * s).reshape(-1)
+    starts = (rows[:, None] + d[first][None, :] * inner).reshape(-1)
+    numels = (length * inner).repeat(len(rows))
+    offsets = (
+        torch.arange(len(rows))[:, None] * (len(d) * inner) + first[None, :] * inner
+    ).reshape(-1)
+    new = torch.ones(len(starts), dtype=torch.bool)
+    new[1:] = starts[1:] != starts[:-1] + numels[:-1]
+    head = torch.nonzero(new).view(-1)
+    sums = torch.cumsum(numels, 0)
+    ends = torch.cat([head[1:], torch.tensor([len(starts)])]) - 1
+    total = sums[ends] - sums[head] + numels[head]
+    return [
+        Segment(offset=o, numel=n, start=s, shape=shape, name=key)
+        for o, n, s in zip(
+            offsets[head].tolist(), total.tolist(), starts[head].tolist(), strict=True
+        )
+    ]
 
 
 def layout(p: torch.Tensor) -> str:
@@ -62,53 +149,84 @@ def layout(p: torch.Tensor) -> str:
 
 
 def check_layout(p: torch.Tensor, name: str) -> None:
-    """Refuse, naming the layout, what is not dim-0 sharding over one mesh dimension with every
-    other dimension replicated (FSDP2, HSDP)."""
-    shards = [pl for pl in p.placements if isinstance(pl, Shard)]
+    """Refuse, naming the layout, what Gefen cannot place in the tensor's coordinates: meshes
+    of more than two dimensions (HSDP with tensor parallelism), and placements other than
+    Shard, _StridedShard (FSDP2 over a tensor-parallel Shard) and Replicate (a Partial tensor
+    holds no rank's elements)."""
     if p.device_mesh.ndim > 2:
         raise ValueError(
-            f"{name} has {layout(p)}: Gefen supports 1-D meshes (FSDP2 fully_shard) and 2-D "
-            "(replicate, shard) meshes (HSDP), not meshes of more dimensions"
+            f"{name} has {layout(p)}: Gefen supports 1-D meshes (FSDP2 fully_shard, tensor "
+            "parallelism), 2-D (replicate, shard) meshes (HSDP) and 2-D (dp, tp) meshes (FSDP2 "
+            "with tensor parallelism), not meshes of more dimensions (HSDP with tensor "
+            "parallelism)"
         )
     for pl in p.placements:
-        if not isinstance(pl, (Shard, Replicate)):
+        if not (_is_shard(pl) or isinstance(pl, Replicate)):
             raise ValueError(
-                f"{name} has {layout(p)}: {pl} is not supported; Gefen needs Shard(0) on one mesh "
-                "dimension and Replicate() on the others (FSDP2 fully_shard, HSDP)"
+                f"{name} has {layout(p)}: {pl} is not supported; Gefen needs each mesh "
+                "dimension to shard (Shard, _StridedShard) or replicate (Replicate) the tensor"
             )
-    if len(shards) > 1:
-        raise ValueError(
-            f"{name} has {layout(p)}: it is sharded over {len(shards)} mesh dimensions "
-            "(tensor-parallel style), which Gefen does not support; it needs Shard(0) on one "
-            "mesh dimension and Replicate() on the others (FSDP2 fully_shard, HSDP)"
-        )
-    if shards and shards[0].dim != 0:
-        raise ValueError(
-            f"{name} has {layout(p)}: a DTensor sharded on dim {shards[0].dim}; Gefen needs dim-0 "
-            "sharding so each rank holds a contiguous run of the tensor (FSDP2's layout)"
-        )
+
+
+def _spans_mesh(p: torch.Tensor) -> bool:
+    """Whether ``p``'s agreeing ranks are its whole (2-D) mesh: mesh dim 0 shards it (FSDP2
+    over dp with tensor parallelism on dim 1)."""
+    return p.device_mesh.ndim == 2 and _is_shard(p.placements[0])
+
+
+_WHOLE: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _whole_group(mesh) -> dist.ProcessGroup:
+    """One group object per mesh's ranks (the optimizer checks that its parameters share one),
+    made once: every rank builds the same parameters' groups in the same order."""
+    ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
+    if ranks == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    key = (id(dist.group.WORLD), ranks)
+    if key not in _WHOLE:
+        _WHOLE[key] = dist.new_group(list(ranks))
+    return _WHOLE[key]
 
 
 def shard_dim(p: torch.Tensor) -> int | None:
-    """The mesh dimension over which ``p`` is sharded (after ``check_layout``), if any."""
-    if not is_dtensor(p):
+    """The mesh dimension whose group spreads ``p`` (after ``check_layout``), if one does: the
+    sharding dimension of a 1-D mesh or of a (replicate, shard) mesh; None where no mesh dim
+    shards it, or where the whole mesh spreads it (``_spans_mesh``)."""
+    if not is_dtensor(p) or _spans_mesh(p):
         return None
     for i, pl in enumerate(p.placements):
-        if isinstance(pl, Shard):
+        if _is_shard(pl):
             return i
     return None
 
 
 def group_of(p: torch.Tensor) -> dist.ProcessGroup | None:
     """The process group over which pieces of ``p`` are spread, if any: under HSDP the shard
-    mesh dimension's group, not the whole mesh (the replicas already agree)."""
+    mesh dimension's group, not the whole mesh (the replicas already agree); on a (dp, tp)
+    mesh the whole mesh's."""
+    if not is_dtensor(p):
+        return None
+    if _spans_mesh(p):
+        return _whole_group(p.device_mesh)
     i = shard_dim(p)
     return None if i is None else p.device_mesh.get_group(mesh_dim=i)
 
 
+def is_copy(p: torch.Tensor) -> bool:
+    """Whether this rank's piece of ``p`` is a copy of another rank's in ``group_of(p)`` (a
+    nonzero coordinate on a Replicate mesh dim of a mesh-spanning tensor): such a piece adds
+    nothing to the statistics and histogram the group sums."""
+    if not is_dtensor(p) or not _spans_mesh(p):
+        return False
+    coord = p.device_mesh.get_coordinate()
+    return any(isinstance(pl, Replicate) and coord[i] != 0 for i, pl in enumerate(p.placements))
+
+
 def replica_group_of(p: torch.Tensor) -> dist.ProcessGroup | None:
-    """The group of ranks holding copies of this rank's piece of ``p`` (HSDP's replicate mesh
-    dimension), if any; ``None`` where the mesh has no replicated dimension."""
+    """The group of ranks holding copies of this rank's piece of ``p`` in other replica groups
+    (HSDP's replicate mesh dimension), if any; ``None`` where the mesh has no such dimension
+    (copies inside one group, ``is_copy``, write entries of their own)."""
     i = shard_dim(p)
     if i is None or p.device_mesh.ndim == 1:
         return None

@@ -436,7 +436,9 @@ def _pack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
         # A DTensor parameter's codebook stays a tensor: the same on every rank, so DCP's
         # de-duplication is right for it, and DCP's full-state loader needs one tensor per entry.
         outside = ("codebook",) if st is not None and sharding.is_dtensor(p) else ()
-        blob = _encode(st, opt._segments_for(p), rank, world, integ.run, outside)
+        blob = _encode(
+            st, opt._segments_for(p), rank, world, integ.run, outside, sharding.is_copy(p)
+        )
         entry: dict[str, Any] = {RUN_KEY: integ.run, key: blob}
         if st is not None:
             entry = {"step": st["step"], **{k: st[k] for k in outside}, **entry}
@@ -488,7 +490,7 @@ def _gather_whole(
     None where no rank has stepped it, or on a rank that does not keep the full dict."""
     group = integ.sharded[p]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    blob = _encode(st, opt._segments_for(p), rank, world, integ.run, ())
+    blob = _encode(st, opt._segments_for(p), rank, world, integ.run, (), sharding.is_copy(p))
     every: list[Any] = [None] * world
     dist.all_gather_object(every, blob, group=group)
     if not keep:
@@ -523,10 +525,12 @@ def merge_entries(
     payloads: list[dict], codebook: torch.Tensor | None, name: str
 ) -> dict[str, portable.TensorState]:
     """Every tensor whose pieces the payloads hold, put together (``portable.merge``); each
-    must be whole. Empty where no rank had stepped the parameter."""
+    must be whole. Empty where no rank had stepped the parameter. Entries of ranks holding
+    copies of other ranks' pieces (a tensor Replicate on tp, ``sharding.is_copy``) are left
+    out: their pieces are there once already."""
     parts = []
     for pl in payloads:
-        if pl["step"] is None:
+        if pl["step"] is None or pl.get("copy"):
             continue
         st = {**pl["tensors"], "step": torch.tensor(pl["step"])}
         if "codebook" not in st:  # a DTensor parameter's codebook, kept beside the entries
@@ -646,9 +650,13 @@ def _encode(
     world: int,
     run: str,
     outside: tuple[str, ...],
+    copy: bool = False,
 ) -> bytes:
     payload = {
         "format": _FORMAT,
+        # a copy of another rank's pieces (sharding.is_copy): loaded by its own rank at the same
+        # layout, left out where pieces are put together
+        "copy": copy,
         "rank": rank,
         "world_size": world,
         "run": run,

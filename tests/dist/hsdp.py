@@ -95,7 +95,8 @@ def refused(name: str, make) -> str:
 
 
 def errors() -> dict[str, str]:
-    """Messages of the DTensor layouts Gefen still refuses on 4 ranks, by case."""
+    """What Gefen says to DTensor layouts beyond 1-D sharding on 4 ranks, by case ("accepted",
+    or the refusal)."""
     mesh = mesh2d()
     w = torch.randn(64, 64)
     local = w[: 32 // 2]  # what each rank holds under the strided layout below

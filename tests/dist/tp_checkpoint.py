@@ -1,0 +1,93 @@
+"""Checkpoints of Gefen under FSDP2 with tensor parallelism on 4 ranks as a (dp=2, tp=2) mesh.
+
+argv: MODE OUT CKDIR BITS.
+
+- ``save``: train FIRST steps (each dp rank on its half of the batch), save a DCP checkpoint
+  (``dcp.save`` of ``get_state_dict``) and a full state dict
+  (``get_optimizer_state_dict(full_state_dict=True, cpu_offload=True)``, rank 0 writes it), dump
+  each rank's raw Gefen state, train SECOND more steps and keep the final full parameters: the
+  uninterrupted run.
+- ``resume`` (a fresh process): build everything anew; load the DCP checkpoint, compare the raw
+  state with the dump, train the same steps and compare parameters and losses with the
+  uninterrupted run; then, anew, load the full state dict at the same mesh
+  (``set_optimizer_state_dict(full_state_dict=True)``: each rank cuts its pieces from the whole
+  tensors' state, ``method.portable``) and train the same steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsdp_checkpoint import equal_states, raw_state
+from fsdp_common import gefen, init, write
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from tp_common import build, full_params, mesh2d, parallelize, train
+
+FIRST, SECOND = 3, 3
+
+
+def setup_run(bits: int):
+    mesh = mesh2d()
+    model = parallelize(build(), mesh)
+    return model, gefen(model.parameters(), bits), mesh
+
+
+def main() -> None:
+    mode, out, ck, bits = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+    init()
+    rank = dist.get_rank()
+    ck.mkdir(parents=True, exist_ok=True)
+    model, opt, mesh = setup_run(bits)
+    result: dict = {}
+    if mode == "save":
+        first = train(model, opt, 0, FIRST, mesh, True)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ck / "dcp"))
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        fmsd = get_model_state_dict(model, options=full)
+        fosd = get_optimizer_state_dict(model, opt, options=full)
+        if rank == 0:
+            torch.save({"model": fmsd, "optim": fosd}, ck / "full.pt")
+        torch.save(raw_state(opt), ck / f"raw{rank}.pt")
+        second = train(model, opt, FIRST, SECOND, mesh, True)
+        torch.save(full_params(model), ck / f"final{rank}.pt")
+        result = dict(losses=first + second, run=opt._gefen_fsdp.run)
+    else:
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(ck / "dcp"))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        state_exact = equal_states(raw_state(opt), torch.load(ck / f"raw{rank}.pt"))
+        second = train(model, opt, FIRST, SECOND, mesh, True)
+        final, saved = full_params(model), torch.load(ck / f"final{rank}.pt")
+        result["dcp"] = dict(
+            losses=second,
+            state_exact=state_exact,
+            params_exact=all(torch.equal(final[n], saved[n]) for n in saved),
+            param_diff=max((final[n] - saved[n]).abs().max().item() for n in saved),
+        )
+        model, opt, mesh = setup_run(bits)
+        tree = torch.load(ck / "full.pt", weights_only=True)
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, tree["model"], options=options)
+        set_optimizer_state_dict(model, opt, tree["optim"], options=options)
+        result["full"] = dict(losses=train(model, opt, FIRST, SECOND, mesh, True))
+    write(out, result)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py

@@ -1,0 +1,150 @@
+"""Shared by the tensor-parallel torchrun scripts: a tiny Llama-style block, and FSDP2 over dp
+with tensor parallelism on tp on a (dp=2, tp=2) mesh of 4 ranks.
+
+The block: RMSNorm, attention (q/k/v ColwiseParallel, o RowwiseParallel), RMSNorm, a SwiGLU MLP
+(gate/up ColwiseParallel, down RowwiseParallel). The norms are replicated on tp (their weights
+Replicate DTensors, activations whole on every tp rank), then every module is fully_shard'ed over
+dp: the q/k/v/gate/up weights become (_StridedShard(0), Shard(0)), the o/down weights
+(Shard(0), Shard(1)) (some columns of every row on each rank), the norms (Shard(0), Replicate()).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from fsdp_common import BATCH, global_loss
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+DIM, HEADS, HIDDEN, SEQ = 64, 4, 96, 8
+SHAPE = (2, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.o = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        hd = DIM // HEADS
+        # under ColwiseParallel each rank holds its heads: the head count is the local one
+        q, k, v = (m(x).view(b, t, -1, hd).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(DIM, HIDDEN, bias=False)
+        self.up = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Llama(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(DIM)
+        self.attn = Attention()
+        self.mlp_norm = nn.RMSNorm(DIM)
+        self.mlp = MLP()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x + self.attn(self.attn_norm(x))
+        h = h + self.mlp(self.mlp_norm(h))
+        return h, F.mse_loss(h, y)
+
+
+def build() -> Llama:
+    torch.manual_seed(0)
+    model = Llama()
+    with torch.no_grad():
+        for n in (model.attn_norm, model.mlp_norm):  # not all ones: a gradient with structure
+            n.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(BATCH, SEQ, DIM, generator=g), torch.randn(BATCH, SEQ, DIM, generator=g)
+
+
+def mesh2d() -> DeviceMesh:
+    return init_device_mesh("cpu", SHAPE, mesh_dim_names=("dp", "tp"))
+
+
+def _replicate_in(_mod, inputs, mesh):
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+
+def _local_out(_mod, out, _mesh):
+    return out.to_local()
+
+
+def parallelize(model: Llama, mesh: DeviceMesh) -> Llama:
+    tp = mesh["tp"]
+    parallelize_module(
+        model,
+        tp,
+        {
+            "attn.q": ColwiseParallel(),
+            "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(),
+            "mlp.gate": ColwiseParallel(),
+            "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(),
+        },
+    )
+    for norm in (model.attn_norm, model.mlp_norm):
+        distribute_module(norm, tp, input_fn=_replicate_in, output_fn=_local_out)
+    for m in (model.attn, model.mlp, model):
+        fully_shard(m, mesh=mesh["dp"])
+    return model
+
+
+def dp_rows(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This dp rank's slice of a global batch (tp ranks of one dp rank take the same rows)."""
+    n, r = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    k = t.shape[0] // n
+    return t[r * k : (r + 1) * k]
+
+
+def train(model, opt, first: int, steps: int, mesh: DeviceMesh | None, split: bool) -> list:
+    """Steps ``first .. first + steps``: the mean loss over ranks per step (one process when
+    ``mesh`` is None); ``split``: each dp rank on its rows of the batch."""
+    losses = []
+    for s in range(first, first + steps):
+        opt.zero_grad()
+        x, y = batch(s)
+        if split and mesh is not None:
+            x, y = dp_rows(x, mesh), dp_rows(y, mesh)
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        losses.append(loss.item() if mesh is None else global_loss(loss))
+    return losses
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def world() -> int:
+    return dist.get_world_size()

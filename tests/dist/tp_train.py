@@ -1,0 +1,101 @@
+"""FSDP2 with tensor parallelism on 4 ranks as a (dp=2, tp=2) mesh against single-process Gefen.
+
+argv: OUT STEPS BITS. Runs: "same", every rank on the whole batch (the gradient is the
+reference one up to the rounding of the row-parallel sums); "split", each dp rank on its half.
+Writes rank{r}.json with, per run, the loss per step, codebooks, block sizes per tensor, this
+rank's placements and segment count per tensor, its state bytes beside AdamW's, max |param - reference|, and the optimizer's
+group; the reference; and the errors that still-refused layouts raise.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import torch
+import torch.distributed as dist
+from fsdp_common import codebooks, gefen, init, write
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from tp_common import build, full_params, mesh2d, parallelize, train
+
+from gefen_dist import Gefen
+
+
+def reference(steps: int, bits: int) -> dict:
+    model = build()
+    opt = gefen(list(model.named_parameters()), bits)
+    losses = train(model, opt, 0, steps, None, False)
+    names = {p: n for n, p in model.named_parameters()}
+    return dict(
+        losses=losses,
+        blocks={names[p]: int(st["layout"][0, 3]) for p, st in opt.state.items()},
+        codebook=next(iter(opt.state.values()))["codebook"].tolist(),
+        params={n: p.detach().clone() for n, p in model.named_parameters()},
+    )
+
+
+def run(steps: int, bits: int, ref: dict, split: bool) -> dict:
+    mesh = mesh2d()
+    model = parallelize(build(), mesh)
+    opt = gefen(model.parameters(), bits)
+    losses = train(model, opt, 0, steps, mesh, split)
+    named = dict(model.named_parameters())
+    blocks, segments = {}, {}
+    for n, p in named.items():
+        rows = opt.state[p]["layout"].tolist()
+        blocks[n] = sorted({int(r[3]) for r in rows})
+        segments[n] = len(rows)
+    params = full_params(model)
+    rep = opt.memory_report()
+    return dict(
+        memory=dict(state_bytes=rep["state_bytes"], adamw_bytes=rep["adamw_bytes"]),
+        losses=losses,
+        codebooks=codebooks(opt),
+        blocks=blocks,
+        segments=segments,
+        placements={n: str(tuple(p.placements)) for n, p in named.items()},
+        param_drift={n: (params[n] - ref["params"][n]).abs().max().item() for n in params},
+        group=dist.get_process_group_ranks(opt._group),
+    )
+
+
+def refused(name: str, make) -> str:
+    try:
+        Gefen([(name, torch.nn.Parameter(make()))])
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def errors() -> dict[str, str]:
+    w = torch.randn(16, 16)
+    mesh3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "dp", "tp"))
+    return dict(
+        mesh_3d=refused(
+            "w3", lambda: distribute_tensor(w, mesh3, [Replicate(), Shard(0), Shard(1)])
+        ),
+        partial=refused(
+            "wp",
+            lambda: DTensor.from_local(torch.zeros(16, 16), mesh2d(), [Shard(0), Partial()]),
+        ),
+    )
+
+
+def main() -> None:
+    out, steps, bits = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    init()
+    ref = reference(steps, bits)
+    result: dict = dict(
+        ref={k: v for k, v in ref.items() if k != "params"},
+        same=run(steps, bits, ref, False),
+        split=run(steps, bits, ref, True),
+        errors=errors(),
+    )
+    write(out, result)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
