@@ -34,7 +34,7 @@ MODES = ("same", "split")
 @pytest.fixture(scope="module")
 def eq(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_eq")
-    torchrun("tp_train.py", str(out), str(STEPS), str(BITS), nproc=WORLD)
+    torchrun("tp_train.py", str(out), str(STEPS), str(BITS), str(out / "ck"), nproc=WORLD)
     ranks = read_results(out)
     assert len(ranks) == WORLD
     return ranks
@@ -95,13 +95,12 @@ def test_layouts_left_are_refused_by_name(eq):
 
 # -- checkpoints ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ck(tmp_path_factory):
+def ck(eq, tmp_path_factory):
+    """tp_train.py saved the checkpoints (tp_checkpoint.save_run); a fresh launch resumes."""
     root = tmp_path_factory.mktemp("tp_ck")
-    out = {}
-    for mode in ("save", "resume"):
-        torchrun("tp_checkpoint.py", mode, str(root / mode), str(root / "ck"), "4", nproc=WORLD)
-        out[mode] = read_results(root / mode)
-    return out
+    ckdir = sorted(tmp_path_factory.getbasetemp().glob("tp_eq*"))[-1] / "ck"
+    torchrun("tp_checkpoint.py", "resume", str(root), str(ckdir), str(BITS), nproc=WORLD)
+    return dict(save=[r["ckpt"] for r in eq], resume=read_results(root))
 
 
 def test_dcp_resume_at_the_same_mesh_is_bit_for_bit(ck):

@@ -2,8 +2,9 @@
 
 argv: MODE OUT CKDIR BITS.
 
-- ``save``: train FIRST steps (each dp rank on its half of the batch), save a DCP checkpoint
-  (``dcp.save`` of ``get_state_dict``) and a full state dict
+- ``save`` (``save_run``, also called by tp_train.py to spare a launch): train FIRST steps
+  (each dp rank on its half of the batch), save a DCP checkpoint (``dcp.save`` of
+  ``get_state_dict``) and a full state dict
   (``get_optimizer_state_dict(full_state_dict=True, cpu_offload=True)``, rank 0 writes it), dump
   each rank's raw Gefen state, train SECOND more steps and keep the final full parameters: the
   uninterrupted run.
@@ -45,46 +46,53 @@ def setup_run(bits: int):
     return model, gefen(model.parameters(), bits), mesh
 
 
-def main() -> None:
-    mode, out, ck, bits = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
-    init()
+def save_run(ck: Path, bits: int) -> dict:
     rank = dist.get_rank()
     ck.mkdir(parents=True, exist_ok=True)
     model, opt, mesh = setup_run(bits)
-    result: dict = {}
-    if mode == "save":
-        first = train(model, opt, 0, FIRST, mesh, True)
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ck / "dcp"))
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        fmsd = get_model_state_dict(model, options=full)
-        fosd = get_optimizer_state_dict(model, opt, options=full)
-        if rank == 0:
-            torch.save({"model": fmsd, "optim": fosd}, ck / "full.pt")
-        torch.save(raw_state(opt), ck / f"raw{rank}.pt")
-        second = train(model, opt, FIRST, SECOND, mesh, True)
-        torch.save(full_params(model), ck / f"final{rank}.pt")
-        result = dict(losses=first + second, run=opt._gefen_fsdp.run)
-    else:
-        msd, osd = get_state_dict(model, opt)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(ck / "dcp"))
-        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-        state_exact = equal_states(raw_state(opt), torch.load(ck / f"raw{rank}.pt"))
-        second = train(model, opt, FIRST, SECOND, mesh, True)
-        final, saved = full_params(model), torch.load(ck / f"final{rank}.pt")
-        result["dcp"] = dict(
-            losses=second,
-            state_exact=state_exact,
-            params_exact=all(torch.equal(final[n], saved[n]) for n in saved),
-            param_diff=max((final[n] - saved[n]).abs().max().item() for n in saved),
-        )
-        model, opt, mesh = setup_run(bits)
-        tree = torch.load(ck / "full.pt", weights_only=True)
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, tree["model"], options=options)
-        set_optimizer_state_dict(model, opt, tree["optim"], options=options)
-        result["full"] = dict(losses=train(model, opt, FIRST, SECOND, mesh, True))
-    write(out, result)
+    first = train(model, opt, 0, FIRST, mesh, True)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ck / "dcp"))
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    fmsd = get_model_state_dict(model, options=full)
+    fosd = get_optimizer_state_dict(model, opt, options=full)
+    if rank == 0:
+        torch.save({"model": fmsd, "optim": fosd}, ck / "full.pt")
+    torch.save(raw_state(opt), ck / f"raw{rank}.pt")
+    second = train(model, opt, FIRST, SECOND, mesh, True)
+    torch.save(full_params(model), ck / f"final{rank}.pt")
+    return dict(losses=first + second, run=opt._gefen_fsdp.run)
+
+
+def resume_run(ck: Path, bits: int) -> dict:
+    rank = dist.get_rank()
+    model, opt, mesh = setup_run(bits)
+    result = {}
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(ck / "dcp"))
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    state_exact = equal_states(raw_state(opt), torch.load(ck / f"raw{rank}.pt"))
+    second = train(model, opt, FIRST, SECOND, mesh, True)
+    final, saved = full_params(model), torch.load(ck / f"final{rank}.pt")
+    result["dcp"] = dict(
+        losses=second,
+        state_exact=state_exact,
+        params_exact=all(torch.equal(final[n], saved[n]) for n in saved),
+        param_diff=max((final[n] - saved[n]).abs().max().item() for n in saved),
+    )
+    model, opt, mesh = setup_run(bits)
+    tree = torch.load(ck / "full.pt", weights_only=True)
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, tree["model"], options=options)
+    set_optimizer_state_dict(model, opt, tree["optim"], options=options)
+    result["full"] = dict(losses=train(model, opt, FIRST, SECOND, mesh, True))
+    return result
+
+
+def main() -> None:
+    mode, out, ck, bits = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+    init()
+    write(out, save_run(ck, bits) if mode == "save" else resume_run(ck, bits))
     dist.destroy_process_group()
 
 

@@ -1,22 +1,26 @@
 """FSDP2 with tensor parallelism on 4 ranks as a (dp=2, tp=2) mesh against single-process Gefen.
 
-argv: OUT STEPS BITS. Runs: "same", every rank on the whole batch (the gradient is the
+argv: OUT STEPS BITS [CKDIR]. Runs: "same", every rank on the whole batch (the gradient is the
 reference one up to the rounding of the row-parallel sums); "split", each dp rank on its half.
 Writes rank{r}.json with, per run, the loss per step, codebooks, block sizes per tensor, this
-rank's placements and segment count per tensor, its state bytes beside AdamW's, max |param - reference|, and the optimizer's
-group; the reference; and the errors that still-refused layouts raise.
+rank's placements and segment count per tensor, its state bytes beside AdamW's,
+max |param - reference| and the optimizer's group; the reference; and the errors that
+still-refused layouts raise. With CKDIR, also tp_checkpoint.py's save (its result under
+"ckpt"), to spare the test a launch.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from fsdp_common import codebooks, gefen, init, write
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from tp_checkpoint import save_run
 from tp_common import build, full_params, mesh2d, parallelize, train
 
 from gefen_dist import Gefen
@@ -92,6 +96,8 @@ def main() -> None:
         split=run(steps, bits, ref, True),
         errors=errors(),
     )
+    if len(sys.argv) > 4:
+        result["ckpt"] = save_run(Path(sys.argv[4]), bits)
     write(out, result)
     dist.destroy_process_group()
 
