@@ -31,7 +31,8 @@
 
 namespace {
 
-enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+// BF16SR: a bf16 parameter written with stochastic rounding (bf16_stochastic_round; never a g)
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2, BF16SR = 3 };
 
 struct Hyper {
   float beta1, w, beta2, a2, decay, neg_step, bc2, eps;
@@ -59,23 +60,47 @@ inline uint16_t f32_to_bf16(float f) {
   return f32_to_bf16_stochastic(f, 0x7fffu + ((u >> 16) & 1u));
 }
 
+inline uint32_t mix32(uint32_t x) {  // "lowbias32", as codes._mix32
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+// codes.param_key from the step key: the parameter write's own stream of the counter hash
+constexpr uint32_t kParamStream = 0x2545F491u;
+inline uint32_t param_key(uint32_t key) { return mix32(key ^ kParamStream); }
+
 // Element access by dtype, on typed pointers: loops over them vectorise, where a runtime dtype
 // switch on void pointers kept GCC to scalar code (alias checks it could not prove).
 template <int DT> struct Elem;
+// ``put_at``: a parameter's write, element ``i`` of its tensor at a step of parameter key ``pk``
 template <> struct Elem<F32> {
   using T = float;
   static float get(float x) { return x; }
   static float put(float x) { return x; }
+  static float put_at(float x, uint32_t, uint32_t) { return x; }
 };
 template <> struct Elem<BF16> {
   using T = uint16_t;
   static float get(uint16_t x) { return bf16_to_f32(x); }
   static uint16_t put(float x) { return f32_to_bf16(x); }
+  static uint16_t put_at(float x, uint32_t, uint32_t) { return f32_to_bf16(x); }
 };
 template <> struct Elem<F16> {
   using T = _Float16;
   static float get(_Float16 x) { return static_cast<float>(x); }
   static _Float16 put(float x) { return static_cast<_Float16>(x); }
+  static _Float16 put_at(float x, uint32_t, uint32_t) { return static_cast<_Float16>(x); }
+};
+// codes.write_param: round_bf16 with r = codes.param_bits (the low 16 bits of the hash)
+template <> struct Elem<BF16SR> {
+  using T = uint16_t;
+  static float get(uint16_t x) { return bf16_to_f32(x); }
+  static uint16_t put_at(float x, uint32_t i, uint32_t pk) {
+    return f32_to_bf16_stochastic(x, mix32(i ^ pk) & 0xffffu);
+  }
 };
 
 // torch's lerp: start + w * (end - start) for w < 0.5, else end - (end - start) * (1 - w); the
@@ -107,13 +132,6 @@ inline float ema_mean_sq(float v, double sum, double n, float beta2, float a2) {
   return v * beta2 + a2 * static_cast<float>(sum / n);
 }
 
-inline uint32_t mix32(uint32_t x) {  // "lowbias32", as codes._mix32
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  return x ^ (x >> 16);
-}
 
 #ifdef __AVX512F__
 // 4 bits with AVX-512: the 16 levels fill one register, so a level is one permute, and the
@@ -605,7 +623,8 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
 template <int PT, int GT, bool kLow, bool kFac>
 inline float move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
                   const typename Elem<GT>::T* __restrict g, int64_t n, float old, float denom,
-                  float sv, const float* __restrict fac, const Hyper& h) {
+                  float sv, const float* __restrict fac, const Hyper& h, int64_t first,
+                  uint32_t pk) {
   const float w1 = 1.0f - h.w;
   float amax = 0.0f;
 #pragma omp simd reduction(max : amax)
@@ -614,7 +633,7 @@ inline float move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
     buf[i] = m;
     const float pi = Elem<PT>::get(p[i]) * h.decay;
     const float d = kFac ? sv * fac[i] + h.eps : denom;
-    p[i] = Elem<PT>::put(pi + h.neg_step * (m / d));
+    p[i] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + i), pk);
     amax = std::max(amax, std::fabs(m));
   }
   return amax;
@@ -652,7 +671,7 @@ inline float move4(float* __restrict buf, float* __restrict p, const float* __re
   if (i < n) {
     decode(codes, i, n, true, l4.lv, &l4, buf + i);
     a = std::max(a, move<F32, F32, kLow, kFac>(buf + i, p + i, g + i, n - i, old, denom, sv,
-                                               kFac ? fac + i : nullptr, h));
+                                               kFac ? fac + i : nullptr, h, 0, 0));
   }
   return a;
 }
@@ -663,7 +682,7 @@ template <int PT, int GT, bool kFac>
 inline float update(float* buf, typename Elem<PT>::T* p, const typename Elem<GT>::T* g,
                     const uint8_t* codes, int64_t lo, int64_t hi, bool four, const float* levels,
                     const Levels4* l4, float old, float denom, float sv, const float* fac,
-                    const Hyper& h, const Levels8* l8) {
+                    const Hyper& h, const Levels8* l8, int64_t first, uint32_t pk) {
   const int64_t n = hi - lo;
 #ifdef __AVX512F__
   if constexpr (PT == F32 && GT == F32) {
@@ -675,8 +694,8 @@ inline float update(float* buf, typename Elem<PT>::T* p, const typename Elem<GT>
   }
 #endif
   decode(codes, lo, hi, four, levels, l4, buf, l8);
-  return h.w < 0.5f ? move<PT, GT, true, kFac>(buf, p, g, n, old, denom, sv, fac, h)
-                    : move<PT, GT, false, kFac>(buf, p, g, n, old, denom, sv, fac, h);
+  return h.w < 0.5f ? move<PT, GT, true, kFac>(buf, p, g, n, old, denom, sv, fac, h, first, pk)
+                    : move<PT, GT, false, kFac>(buf, p, g, n, old, denom, sv, fac, h, first, pk);
 }
 
 // reference.cross_factor's c from fp32 v_cross ``v`` (``n`` entries) into ``out`` as sqrt(max(v /
@@ -772,6 +791,7 @@ struct Segment {
   const float* fac;
   struct Sums* sums;  // this step's v_cross sums, taken in the update (contiguous blocks)
   float* fold;        // column blocks: the v_cross columns() folds the rows' sums into
+  uint32_t pkey = 0;  // param_key(key): the parameter write's draws (BF16SR)
   // row block j's elements [lo, hi) of the piece; empty past its last block
   int64_t lo(int64_t j) const {
     return std::min(std::max((start / block + j) * block, start) - start, numel);
@@ -816,9 +836,9 @@ float block_move(const Segment& b, int64_t j, float* buf) {
   const float* f = b.fac ? b.fac + (b.start + lo) % b.block : nullptr;
   const float amax =
       b.fac ? update<PT, GT, true>(buf, pb, gb, b.codes, lo, hi, b.four, b.levels, b.l4, old,
-                                   denom, sv, f, h, b.l8)
+                                   denom, sv, f, h, b.l8, b.start + lo, b.pkey)
             : update<PT, GT, false>(buf, pb, gb, b.codes, lo, hi, b.four, b.levels, b.l4, old,
-                                    denom, sv, f, h, b.l8);
+                                    denom, sv, f, h, b.l8, b.start + lo, b.pkey);
   b.absmax[j] = amax;
   return amax > 0.0f ? amax : 1.0f;
 }
@@ -881,7 +901,8 @@ inline double column_stats(const float* __restrict buf, const typename Elem<GT>:
 template <int PT, int GT, bool kLow, bool kFac>
 inline void column_move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
                         const typename Elem<GT>::T* __restrict g, const float* __restrict absmax,
-                        const float* __restrict denom, float fr, int64_t n, const Hyper& h) {
+                        const float* __restrict denom, float fr, int64_t n, const Hyper& h,
+                        int64_t first, uint32_t pk) {
   const float w1 = 1.0f - h.w;
 #pragma omp simd
   for (int64_t k = 0; k < n; ++k) {
@@ -889,7 +910,7 @@ inline void column_move(float* __restrict buf, typename Elem<PT>::T* __restrict 
     buf[k] = m;
     const float pi = Elem<PT>::get(p[k]) * h.decay;
     const float d = kFac ? denom[k] * fr + h.eps : denom[k];
-    p[k] = Elem<PT>::put(pi + h.neg_step * (m / d));
+    p[k] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + k), pk);
   }
 }
 
@@ -909,6 +930,7 @@ void columns(const Segment& sg, int threads) {
   const Hyper& h = sg.h;
   const float* fac = sg.fac;
   float* absmax = sg.absmax;
+  const uint32_t pk = sg.pkey;
   const int64_t nb = std::min(numel, period);
   const int64_t rows = (numel + period - 1) / period;
   // at most 64 chunks and 16 MiB of partial sums and maxima (12 bytes per column and chunk)
@@ -982,19 +1004,22 @@ void columns(const Segment& sg, int threads) {
           const int64_t tr = (start + lo) / period, cut = std::min(w, period - start % period);
           float* b = buf.data();
           const float f0 = fac[tr], f1 = cut < w ? fac[tr + 1] : 0.0f;
+          const int64_t e = start + lo;
           if (h.w < 0.5f) {
-            column_move<PT, GT, true, true>(b, pt + lo, gt + lo, absmax, d, f0, cut, h);
+            column_move<PT, GT, true, true>(b, pt + lo, gt + lo, absmax, d, f0, cut, h, e, pk);
             column_move<PT, GT, true, true>(b + cut, pt + lo + cut, gt + lo + cut, absmax + cut,
-                                            d + cut, f1, w - cut, h);
+                                            d + cut, f1, w - cut, h, e + cut, pk);
           } else {
-            column_move<PT, GT, false, true>(b, pt + lo, gt + lo, absmax, d, f0, cut, h);
+            column_move<PT, GT, false, true>(b, pt + lo, gt + lo, absmax, d, f0, cut, h, e, pk);
             column_move<PT, GT, false, true>(b + cut, pt + lo + cut, gt + lo + cut, absmax + cut,
-                                             d + cut, f1, w - cut, h);
+                                             d + cut, f1, w - cut, h, e + cut, pk);
           }
         } else if (h.w < 0.5f)
-          column_move<PT, GT, true, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h);
+          column_move<PT, GT, true, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h,
+                                           start + lo, pk);
         else
-          column_move<PT, GT, false, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h);
+          column_move<PT, GT, false, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h,
+                                            start + lo, pk);
         const int64_t next = std::min(period, numel - hi);  // the next row's elements
         requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, sg.l8, start + lo,
                                sg.key, idx.data(), Prefetch(pt + hi, gt + hi, next), sg.l4);
@@ -1012,6 +1037,7 @@ inline void dense_tile(typename Elem<PT>::T* __restrict p, const typename Elem<G
                        uint16_t* __restrict m, uint16_t* __restrict v, int64_t n, const Hyper& h,
                        int64_t first, uint32_t key) {
   const float w1 = 1.0f - h.w;
+  const uint32_t pk = param_key(key);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float gi = Elem<GT>::get(g[i]);
@@ -1022,7 +1048,7 @@ inline void dense_tile(typename Elem<PT>::T* __restrict p, const typename Elem<G
     m[i] = f32_to_bf16_stochastic(mi, r & 0xffffu);
     v[i] = f32_to_bf16_stochastic(vi, r >> 16);
     const float denom = std::sqrt(vi) / h.bc2 + h.eps;
-    p[i] = Elem<PT>::put(pi + h.neg_step * (mi / denom));
+    p[i] = Elem<PT>::put_at(pi + h.neg_step * (mi / denom), static_cast<uint32_t>(first + i), pk);
   }
 }
 
@@ -1076,6 +1102,7 @@ bool pick(int pt, int gt, Kernels& k) {
     case F32: return pick_g<F32>(gt, k);
     case BF16: return pick_g<BF16>(gt, k);
     case F16: return pick_g<F16>(gt, k);
+    case BF16SR: return pick_g<BF16SR>(gt, k);
     default: return false;
   }
 }
@@ -1366,7 +1393,8 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done,
                   reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
                   reinterpret_cast<float*>(m[kV]), levels, l8, m[kStart], numel, block, four,
                   v_done && v_done[s], static_cast<uint32_t>(m[kStepKey]), h, l4,
-                  reinterpret_cast<const float*>(m[kFactor]), nullptr, nullptr};
+                  reinterpret_cast<const float*>(m[kFactor]), nullptr, nullptr,
+                  param_key(static_cast<uint32_t>(m[kStepKey]))};
   }
   // the rows are sound: the factors, and where their sums come from
   std::vector<std::unique_ptr<Sums>> sums;

@@ -70,7 +70,13 @@ class Gefen(Optimizer):
     """AdamW with a block-shared second moment and a learned-codebook first moment.
 
     Arguments are those of ``torch.optim.AdamW`` (same defaults) plus ``bits`` (4, the default,
-    or 8: the width of the stored first-moment codes; 4-bit codes are packed two per byte).
+    or 8: the width of the stored first-moment codes; 4-bit codes are packed two per byte) and
+    ``bf16_stochastic_round`` (False, the default; torchao's name): bf16 parameters are written
+    rounded stochastically, unbiased between the two neighbouring bf16 values, instead of to the
+    nearest, so that updates under half a bf16 spacing still move pure-bf16 weights on average
+    (docs/bf16.md). The draw is a counter hash of (step, the element's index in its tensor), so
+    every backend, rank layout and resumed run rounds alike. fp32 and fp16 parameters are
+    written as without it. A param group setting, kept in the state dict.
     ``amsgrad``, ``capturable`` and ``differentiable`` are not supported; ``foreach`` and
     ``fused`` are accepted so that a one-line swap from AdamW works, and change nothing.
     """
@@ -85,6 +91,7 @@ class Gefen(Optimizer):
         amsgrad: bool = False,
         *,
         bits: int = DEFAULT_BITS,
+        bf16_stochastic_round: bool = False,
         maximize: bool = False,
         foreach: bool | None = None,
         capturable: bool = False,
@@ -96,7 +103,13 @@ class Gefen(Optimizer):
         if capturable or differentiable:
             raise ValueError("Gefen does not support capturable=True or differentiable=True")
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bits=bits, maximize=maximize
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bits=bits,
+            maximize=maximize,
+            bf16_stochastic_round=bf16_stochastic_round,
         )
         self._segments: dict[torch.Tensor, list[Segment]] = {}
         self._codebooks: dict[int, torch.Tensor] = {}
@@ -351,6 +364,15 @@ class Gefen(Optimizer):
         self._backend = name
         self._plan = None
 
+    def backend_of(self, p: torch.Tensor) -> str:
+        """The update that steps parameter ``p``, as ``memory_report`` names it ('native-cpu',
+        'triton' or 'reference'). Why per parameter: the choice follows each local tensor's
+        device, so where FSDP2's ``CPUOffloadPolicy`` keeps sharded parameters on the host their
+        steps take the C++ kernel while a CUDA parameter of the same optimizer takes Triton."""
+        local = sharding.local(p)
+        g = sharding.local(p.grad) if p.grad is not None else local
+        return dispatch.REPORT_NAMES[self._impl(local, g)]
+
     def _impl(self, p: torch.Tensor, g: torch.Tensor) -> str:
         """'cpu' (C++), 'triton' or 'reference' for a parameter and its gradient;
         only the kernels that could serve this device are loaded (a GPU run builds no C++)."""
@@ -585,6 +607,8 @@ class Gefen(Optimizer):
         opt._cross_slots = None
         opt._plan = None
         opt._codebook_copies.clear()
+        for group in opt.param_groups:  # saved before the setting existed: the optimizer's
+            group.setdefault("bf16_stochastic_round", opt.defaults["bf16_stochastic_round"])
         for p, st in opt._pending_install:
             # the step count and the layout stay on the host (the kept plans read the count
             # there; the layout is read with tolist), the rest on the parameter's device

@@ -35,6 +35,11 @@ def check_hyper(g: dict[str, Any]) -> None:
     bits = g["bits"]
     if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in (4, 8):
         raise ValueError(f"Invalid bits: {bits!r} (must be the integer 4 or 8)")
+    sr = g.get("bf16_stochastic_round", False)
+    if not isinstance(sr, bool):
+        raise ValueError(
+            f"Invalid bf16_stochastic_round: {sr!r} ({type(sr).__name__}; must be True or False)"
+        )
 
 
 def is_real(value: Any) -> bool:

@@ -29,7 +29,10 @@ from gefen_dist.method.state import SegmentState, cross_length
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("block", [1, 97, -97])
-def test_reference_updates_keep_to_their_tensors_device(bits, block):
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "bf16_sr"])
+def test_reference_updates_keep_to_their_tensors_device(bits, block, stochastic):
+    """With ``stochastic``, bf16 parameters written with bf16_stochastic_round: the write's
+    hash indices are drawn on the parameter's device too."""
     dev, start, numel = torch.device("meta"), 37, 4001
     levels = codebook.learn_codebook(codebook.histogram(torch.linspace(-1, 1, 999)), bits)
     st = SegmentState(start, numel, block)
@@ -44,7 +47,10 @@ def test_reference_updates_keep_to_their_tensors_device(bits, block):
         st.absmax, st.v = torch.zeros(nb, device=dev), torch.zeros(nb, device=dev)
         st.v_cross = torch.zeros(cross_length(block, start + numel), device=dev)
     p, g = torch.zeros(numel, device=dev), torch.zeros(numel, device=dev)
+    if stochastic:
+        p = p.bfloat16()
     h = Hyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=2)
+    h.bf16_stochastic_round = stochastic
     if block == 1:
         dense_update(p, g, st, h)
     else:

@@ -72,3 +72,51 @@ def test_a_cuda_device_picks_triton_with_no_compiler_on_path(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "triton"
+
+
+def test_each_parameter_takes_its_own_devices_kernel():
+    """FSDP2's CPUOffloadPolicy on a GPU machine: one optimizer holds host DTensors (their
+    local shards on the CPU) next to CUDA parameters. The choice is made per parameter from its
+    local tensor's facts, so host shards take the C++ kernel and CUDA ones Triton, and a host
+    shard without a compiler falls back alone (warning about the C++ kernel, not Triton's)."""
+    host = Facts(device="cpu", cpp_supports=True, cpp_available=True, triton_supports=False)
+    assert [choose("auto", f).impl for f in (host, CUDA, host)] == ["cpu", "triton", "cpu"]
+    assert [choose("native", f).impl for f in (host, CUDA)] == ["cpu", "triton"]
+    assert choose("auto", CPU_NO_CXX).unavailable == ("C++ CPU", "no c++")
+    assert choose("auto", CUDA).unavailable is None
+
+
+def test_host_tensors_take_the_cpp_kernel_where_triton_is_compiled(tmp_path):
+    """The facts Gefen gathers for a host tensor in a process where triton imports compiled (no
+    interpreter, as on a GPU machine): Triton does not take host tensors, so 'auto' and
+    'native' give the C++ kernel (``Gefen.backend_of`` says so per parameter, as for an
+    offloaded FSDP2 shard), and 'triton' by name is refused saying why."""
+    pytest.importorskip("triton")
+    code = (
+        "import torch\n"
+        "from gefen_dist import Gefen\n"
+        "from gefen_dist.backends import native_cpu, triton_backend\n"
+        "assert not triton_backend.interpreting()\n"
+        "p = torch.zeros(64, 64, requires_grad=True)\n"
+        "p.grad = torch.ones(64, 64)\n"
+        "assert not triton_backend.supports(p, p.grad)\n"
+        "out = []\n"
+        "for b in ('auto', 'native'):\n"
+        "    o = Gefen([p]); o.backend = b; out.append(o.backend_of(p))\n"
+        "o = Gefen([p]); o.backend = 'triton'\n"
+        "try:\n"
+        "    o.step()\n"
+        "except RuntimeError as e:\n"
+        "    out.append('refused' if 'does not take cpu tensors' in str(e) else str(e))\n"
+        "print(' '.join(out), native_cpu.available())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    words = r.stdout.split()
+    assert words[2] == "refused"
+    if words[3] == "True":
+        assert words[:2] == ["native-cpu", "native-cpu"]

@@ -13,6 +13,10 @@ Backends, as ``Gefen.backend`` names them:
 - ``triton``: the Triton kernels on every tensor they support; under ``TRITON_INTERPRET=1``
   that includes CPU tensors, which is how CI runs the GPU kernels.
 - ``reference``: the reference, everywhere.
+
+The choice is made per parameter, from its local tensor (a DTensor's shard): where FSDP2's
+``CPUOffloadPolicy`` keeps shards on the host, they take the C++ kernel while CUDA parameters of
+the same optimizer take Triton (``Gefen.backend_of`` names each one's).
 """
 
 from __future__ import annotations

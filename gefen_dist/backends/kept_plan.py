@@ -12,7 +12,8 @@ gradients, with the same state, dtypes and sizes, on the plan's device and conti
 ``per_parameter`` counts the steps and gives each parameter its rows; the backend's plan then
 rewrites the addresses, step keys and hyperparameter rows in place and runs. Anything else (a
 parameter without its gradient, a reloaded or re-initialised state, another backend, a tensor
-spread over ranks, ``maximize``) takes the long way, which builds a new plan.
+spread over ranks, ``maximize``, another ``bf16_stochastic_round``) takes the long way, which
+builds a new plan.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class KeptPlan:
         # which state dict each parameter has: checked by identity in one pass over the state,
         # not by a lookup per parameter (Tensor.__hash__ runs in Python: 0.3 us each)
         self.keys, self.values = list(opt.state.keys()), list(opt.state.values())
+        # in the tables' parameter dtype column (segment_table.BF16_SR)
+        self.rounding = [g.get("bf16_stochastic_round", False) for g in opt.param_groups]
         self.counts = array("q", [0] * len(self.params))  # the step counts' addresses
         self.steps = array("f", [0.0] * len(self.params))  # and their values after the step
 
@@ -83,6 +86,7 @@ class KeptPlan:
         if (
             opt.backend != self.backend
             or len(state) != len(self.keys)
+            or len(opt.param_groups) != len(self.rounding)
             or not all(map(operator.is_, state.keys(), self.keys))
             or not all(map(operator.is_, state.values(), self.values))
         ):
@@ -92,7 +96,7 @@ class KeptPlan:
         counts, f32 = self.counts, torch.float32
         cpu, device = self.device.type == "cpu", self.device
         for gi, group in enumerate(opt.param_groups):
-            if group["maximize"]:
+            if group["maximize"] or group.get("bf16_stochastic_round", False) != self.rounding[gi]:
                 return None
             for p in group["params"]:
                 g = p.grad

@@ -161,7 +161,9 @@ class StepTable:
                 f = local_factor(g, st, h)
             self.done.append(1 if len(given) > 1 and given[1] else 0)
             self.keep.append(f)
-            self.meta.extend(table.row(p, g, st, levels, mids, bits, h.step, f, fused))
+            self.meta.extend(
+                table.row(p, g, st, levels, mids, bits, h.step, f, fused, h.bf16_stochastic_round)
+            )
             hrow = hrows.get(id(h))
             if hrow is None:
                 hrow = hrows[id(h)] = table.hyper_row(h)

@@ -70,7 +70,12 @@ Memory: work goes chunk by chunk. A chunk holds whole blocks and at most max(CHU
 and the temporaries of one chunk are at most ~44 bytes per element (fp32 copies of g, m, p, a
 factored denominator and the int64 indices that gather and bucketize produce), so a step allocates
 at most 44 * max(CHUNK, MAX_BLOCK) bytes = 5.5 MiB beyond the state, whatever the parameter's size.
-Maths is fp32 for fp32, bf16 and fp16 parameters and gradients.
+Maths is fp32 for fp32, bf16 and fp16 parameters and gradients. A bf16 parameter is written
+back rounded to nearest, or with ``bf16_stochastic_round`` stochastically (``codes.write_param``:
+``round_bf16`` with r = ``codes.param_bits`` of the step and the element's index in its tensor,
+a hash stream of its own), so that an update under half a bf16 spacing moves the weight with
+the right probability instead of never: without an fp32 master copy, that is what keeps late
+training's small steps.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ from ..method.codes import (
     stochastic_quantize,
     uniforms,
     write_codes,
+    write_param,
 )
 from ..method.hyper import Hyper
 from ..method.segments import block_chunks, column_chunks
@@ -183,8 +189,7 @@ def dense_update(p: torch.Tensor, g: torch.Tensor, st: SegmentState, h: Hyper) -
         v.mul_(h.beta2).addcmul_(gc, gc, value=1.0 - h.beta2)
         denom = (v.sqrt() / h.bc2_sqrt).add_(h.eps)
         p32.addcdiv_(m, denom, value=-h.step_size)
-        if p32 is not pc:
-            pc.copy_(p32)
+        write_param(pc, p32, h.bf16_stochastic_round, h.step, st.start + a)
         r = hash_bits(h.step, torch.arange(st.start + a, st.start + b, device=m.device))
         st.exp_avg[a:b] = round_bf16(m, r & 0xFFFF)
         st.exp_avg_sq[a:b] = round_bf16(v, r >> 16)
@@ -235,8 +240,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     else:
         denom = (v.sqrt()[:, None] * f[None, :]).add_(h.eps)
     p32.addcdiv_(m, denom, value=-h.step_size)
-    if p32 is not p:
-        p.copy_(p32)
+    write_param(p, p32, h.bf16_stochastic_round, h.step, st.start + a)
     amax = m.abs().amax(dim=1)
     absmax.copy_(amax)
     m.div_(torch.where(amax > 0, amax, torch.ones_like(amax))[:, None])
@@ -295,8 +299,7 @@ def column_update(
         if f is not None:
             d = _row_denominator(sqrt_v[:w], f, st.start + a, m.shape[0], period, h)
         p32.addcdiv_(m, d, value=-h.step_size)
-        if p32 is not pc:
-            pc.copy_(p32)
+        write_param(pc, p32, h.bf16_stochastic_round, h.step, st.start + a)
         codes = requantize(m / scale[:w], st.start + a, h.step, levels, mids, bits)
         write_codes(st.codes, a, b, codes, bits)
     st.absmax.copy_(amax)

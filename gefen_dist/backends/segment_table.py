@@ -18,6 +18,10 @@ from ..method.hyper import Hyper
 from ..method.state import CROSS_FLOOR, SegmentState
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+BF16_SR = 3
+"""The parameter dtype column of a bf16 parameter written with stochastic rounding
+(``Hyper.bf16_stochastic_round``; ``codes.write_param``): the kernels draw its r from the step
+key they are given (``codes.param_key``)."""
 META_COLS = 19
 HYP_COLS = 8
 P_COL, G_COL, KEY_COL = 0, 1, 16  # what changes between two steps of the same tensors
@@ -34,10 +38,13 @@ def row(
     step: int,
     factor: torch.Tensor | None = None,
     v_cross: torch.Tensor | None = None,
+    stochastic: bool = False,
 ) -> list[int]:
     """``factor``: this step's ``reference.cross_factor`` of the segment, or None; with
-    ``v_cross`` (the CPU kernel only), the buffer the kernel writes it into from v_cross."""
+    ``v_cross`` (the CPU kernel only), the buffer the kernel writes it into from v_cross.
+    ``stochastic``: ``bf16_stochastic_round``, which changes only a bf16 parameter's write."""
     blocked = st.block_size != 1
+    pdt = BF16_SR if stochastic and p.dtype == torch.bfloat16 else DTYPES[p.dtype]
     return [
         p.data_ptr(),
         g.data_ptr(),
@@ -50,7 +57,7 @@ def row(
         st.numel,
         st.block_size,
         bits,
-        DTYPES[p.dtype],
+        pdt,
         DTYPES[g.dtype],
         0 if blocked else st.exp_avg.data_ptr(),
         0 if blocked else st.exp_avg_sq.data_ptr(),

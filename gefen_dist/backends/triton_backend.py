@@ -289,7 +289,8 @@ def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None]) -> StepPl
             raise ValueError(f"Gefen's Triton step: block size {st.block_size}, {bits} bits")
         f = given[0] if given else made.get(i)
         factors.append(f)
-        entry = (table.row(p, g, st, levels, mids, bits, h.step, f), table.hyper_row(h), i, st)
+        row = table.row(p, g, st, levels, mids, bits, h.step, f, stochastic=h.bf16_stochastic_round)
+        entry = (row, table.hyper_row(h), i, st)
         if st.block_size == 1:
             dense.append(entry)
         elif st.block_size < 0:

@@ -109,8 +109,9 @@ def _find(prefix, n_rows, item):
 
 @triton.jit
 def _ld(addr, offs, mask, dt):
-    """fp32 values of a tensor of dtype code ``dt`` (segment_table.DTYPES) at ``addr``."""
-    if dt == 1:
+    """fp32 values of a tensor of dtype code ``dt`` (segment_table.DTYPES, or BF16_SR) at
+    ``addr``."""
+    if (dt == 1) | (dt == 3):
         b = tl.load(addr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
         x = (b.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     elif dt == 2:
@@ -139,6 +140,24 @@ def _st(addr, offs, mask, x, dt):
         tl.store(addr.to(tl.pointer_type(tl.float16)) + offs, x.to(tl.float16), mask=mask)
     else:
         tl.store(addr.to(tl.pointer_type(tl.float32)) + offs, x, mask=mask)
+
+
+@triton.jit
+def _st_param(addr, offs, mask, x, dt, index, pkey):
+    """A parameter's write: ``_st``, or for dtype code 3 (segment_table.BF16_SR) bf16 rounded
+    stochastically with r = codes.param_bits (``index``: the elements' indices in their tensor,
+    int64; ``pkey``: codes.param_key of the step)."""
+    if dt == 3:
+        r = _hash(index, pkey) & 0xFFFF
+        tl.store(addr.to(tl.pointer_type(tl.uint16)) + offs, _bf16_stochastic(x, r), mask=mask)
+    else:
+        _st(addr, offs, mask, x, dt)
+
+
+@triton.jit
+def _param_key(key):
+    """codes.param_key from the step key (uint32)."""
+    return _mix32(key ^ tl.full((), 0x2545F491, tl.uint32))
 
 
 @triton.jit
@@ -235,7 +254,8 @@ def dense_kernel(ints, floats, meta_at, hyp_at, prefix_at, n_rows, TILE: tl.cons
     tl.store(ea + offs, _bf16_stochastic(mi, r & 0xFFFF), mask=mask)
     tl.store(es + offs, _bf16_stochastic(vi, r >> 16), mask=mask)
     denom = tl.math.div_rn(tl.math.sqrt_rn(vi), tl.load(h + H_BC2)) + tl.load(h + H_EPS)
-    _st(p_addr, offs, mask, pi + tl.load(h + H_NEG_STEP) * tl.math.div_rn(mi, denom), pt)
+    x = pi + tl.load(h + H_NEG_STEP) * tl.math.div_rn(mi, denom)
+    _st_param(p_addr, offs, mask, x, pt, start + offs, _param_key(key))
 
 
 # ----------------------------------------------------------------------- blocked, columns
@@ -482,7 +502,8 @@ def _element(
     if fac != 0:
         f = tl.load(fac.to(tl.pointer_type(tl.float32)) + fi, mask=mask, other=1.0)
         d = d * f + tl.load(h + H_EPS)
-    _st(p_addr, e, mask, pi + tl.load(h + H_NEG_STEP) * tl.math.div_rn(mi, d), pt)
+    x = pi + tl.load(h + H_NEG_STEP) * tl.math.div_rn(mi, d)
+    _st_param(p_addr, e, mask, x, pt, start + e, _param_key(key))
     amax = tl.load(scr_amax + scr + j, mask=mask, other=1.0)
     x = tl.math.div_rn(mi, tl.where(amax > 0.0, amax, 1.0))
     nlev = tl.load(m + M_NLEVELS).to(tl.int32)

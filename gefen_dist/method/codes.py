@@ -71,6 +71,35 @@ def hash_bits(step: int, index: torch.Tensor) -> torch.Tensor:
     return _mix32((index.to(torch.int64) & _M32) ^ step_key(step))
 
 
+PARAM_STREAM = 0x2545F491
+"""Mixed into the step key for the parameter write's draws (``param_key``): a stream of its own,
+so that rounding a bf16 parameter up never correlates with rounding its m, v or code up."""
+
+
+def param_key(step: int) -> int:
+    """mix(step_key(step) ^ PARAM_STREAM): the key of ``param_bits``; kernels derive it from the
+    step key they are given, in the same 32-bit arithmetic."""
+    return _mix32(step_key(step) ^ PARAM_STREAM)
+
+
+def param_bits(step: int, index: torch.Tensor) -> torch.Tensor:
+    """mix(index ^ param_key(step)) & 0xFFFF (int64): the r of ``round_bf16`` for the write of a
+    bf16 parameter with ``bf16_stochastic_round``, per element index in its tensor."""
+    return _mix32((index.to(torch.int64) & _M32) ^ param_key(step)) & 0xFFFF
+
+
+def write_param(p: torch.Tensor, x: torch.Tensor, stochastic: bool, step: int, first: int) -> None:
+    """Store fp32 ``x`` into ``p`` (same shape; its elements those at ``first``, ``first + 1``,
+    ... of their tensor): rounded stochastically (``round_bf16`` with ``param_bits``) where
+    ``stochastic`` and ``p`` is bf16, else as ``copy_`` rounds (fp32 and fp16 parameters are
+    written as without the option, as torchao's ``bf16_stochastic_round`` does)."""
+    if stochastic and p.dtype == torch.bfloat16:
+        index = torch.arange(first, first + x.numel(), device=x.device).view(x.shape)
+        p.copy_(round_bf16(x, param_bits(step, index)))
+    elif x is not p:
+        p.copy_(x)
+
+
 def round_bf16(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """fp32 ``x`` stochastically rounded to bf16 with ``r`` (int64 in [0, 2^16)): the magnitude
     rounds up with probability (its low 16 bits) / 2^16, so the rounding is unbiased and an EMA

@@ -14,6 +14,7 @@ class Hyper:
     eps: float
     weight_decay: float
     step: int
+    bf16_stochastic_round: bool = False
 
     @classmethod
     def of(cls, group: dict, step: int) -> Hyper:
@@ -26,6 +27,7 @@ class Hyper:
             eps=group["eps"],
             weight_decay=group["weight_decay"],
             step=step,
+            bf16_stochastic_round=bool(group.get("bf16_stochastic_round", False)),
         )
 
     @property

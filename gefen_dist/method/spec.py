@@ -26,6 +26,7 @@ def gefen(
     levels: torch.Tensor,
     start: int = 0,
     tensor_numel: int | None = None,
+    bf16_stochastic_round: bool = False,
 ) -> torch.Tensor:
     """Per-block AdamW with v = (v of the block) x (the factor of the element's position across
     blocks: its column of the tensor's (n / B, B) view, or its row for column blocks; relative to
@@ -33,7 +34,10 @@ def gefen(
     step's own on the first) when the tensor has at least
     MIN_CROSS_BLOCKS blocks, and an m stored as codebook level * absmax: the nearest
     level at 8 bits; at 4 bits one of the two around it, the upper one when u * spacing <
-    distance above the lower, u = codes.uniforms(step, index in the tensor). A piece (``start``
+    distance above the lower, u = codes.uniforms(step, index in the tensor). With
+    ``bf16_stochastic_round`` (``p`` the fp32 values of a bf16 parameter) each step's p is
+    stored as bf16, the upper of its two neighbours with probability (its low 16 bits) / 2^16
+    (codes.round_bf16 with r = codes.param_bits(step, index in the tensor)). A piece (``start``
     > 0 or a tensor longer than it) estimates the factor from its own elements."""
     n = p.numel()
     total = start + n if tensor_numel is None else tensor_numel
@@ -67,6 +71,8 @@ def gefen(
         p = p * (1 - lr * wd)
         denom = (v_elem / (1 - betas[1] ** t)).sqrt() + eps
         p = p - lr / (1 - betas[0] ** t) * m / denom
+        if bf16_stochastic_round:  # p holds a bf16 tensor's values (fp32): its write rounds
+            p = codes.round_bf16(p, codes.param_bits(t, torch.arange(n) + start)).float()
         amax = torch.zeros(nb).scatter_reduce(0, ids, m.abs(), "amax")
         scaled = m / torch.where(amax > 0, amax, 1.0)[ids]
         if levels.numel() == 16:
