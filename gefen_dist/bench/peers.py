@@ -53,6 +53,31 @@ def _gefen(bits):
     return build
 
 
+def _gefen_bf16(stochastic: bool):
+    """Gefen 4-bit on pure-bf16 weights: the model is cast to bf16 here (weights, hence
+    gradients and activations; no fp32 master), written back to nearest or, with
+    ``stochastic``, with ``bf16_stochastic_round`` (docs/bf16.md)."""
+
+    def build(params, model, lr, betas, eps, weight_decay, **_):
+        from gefen_dist import Gefen
+
+        model.to(torch.bfloat16)  # in place: ``params`` are the same Parameter objects
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if [id(p) for p in params] == [id(p) for _, p in named]:
+            params = named
+        return Gefen(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bits=4,
+            bf16_stochastic_round=stochastic,
+        )
+
+    return build
+
+
 def _bnb8(params, model, lr, betas, eps, weight_decay, **_):
     bnb = _import("bitsandbytes")
     return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -110,6 +135,14 @@ PEERS: dict[str, Peer] = {
         Peer("adamw", "AdamW", True, "torch", _adamw),
         Peer("gefen8", "Gefen 8-bit", True, "gefen_dist", _gefen(8)),
         Peer("gefen4", "Gefen 4-bit", True, "gefen_dist", _gefen(4)),
+        Peer("gefen4_bf16", "Gefen 4-bit, bf16 weights", True, "gefen_dist", _gefen_bf16(False)),
+        Peer(
+            "gefen4_bf16_sr",
+            "Gefen 4-bit, bf16 weights, stochastic rounding",
+            True,
+            "gefen_dist",
+            _gefen_bf16(True),
+        ),
         Peer("bnb_adamw8bit", "bitsandbytes AdamW8bit", True, "bitsandbytes", _bnb8),
         Peer("torchao_adamw8bit", "torchao AdamW8bit", True, "torchao", _torchao(8)),
         Peer("torchao_adamw4bit", "torchao AdamW4bit", True, "torchao", _torchao(4)),
@@ -203,6 +236,15 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
         key = (str(t.device), s.data_ptr())
         seen[key] = max(seen.get(key, 0), s.nbytes())
     return sum(seen.values())
+
+
+def weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """Bytes of the trainable weights and of their gradients (a gradient takes its weight's
+    dtype): with the optimizer state, the whole training state."""
+    ps = [p for p in model.parameters() if p.requires_grad]
+    return sum(p.numel() * p.element_size() for p in ps), sum(
+        p.numel() * p.element_size() for p in ps if p.grad is not None
+    )
 
 
 def trainable_numel(model: nn.Module) -> int:

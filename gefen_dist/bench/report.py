@@ -27,6 +27,8 @@ COLORS = {
     "adamw": "#111111",
     "gefen8": "#d62728",
     "gefen4": "#ff7f0e",
+    "gefen4_bf16": "#bcbd22",
+    "gefen4_bf16_sr": "#e377c2",
     "bnb_adamw8bit": "#1f77b4",
     "torchao_adamw8bit": "#17becf",
     "torchao_adamw4bit": "#9edae5",

@@ -61,6 +61,7 @@ def run_one(task: tasks.Task, optimizer: str, seed: int) -> dict[str, Any]:
         return dict(status="failed", reason=trace.failed, curve=curve)
     n = peers.trainable_numel(model)
     sb = peers.state_bytes(opt)
+    wb, gb = peers.weight_bytes(model)
     rec: dict[str, Any] = dict(
         status="ok",
         curve=curve,
@@ -68,6 +69,9 @@ def run_one(task: tasks.Task, optimizer: str, seed: int) -> dict[str, Any]:
         state_bytes=sb,
         params=n,
         bytes_per_param=sb / n,
+        weight_bytes_per_param=wb / n,
+        grad_bytes_per_param=gb / n,
+        training_bytes_per_param=(sb + wb + gb) / n,
         step_ms_median=statistics.median(step_ms[1:] or step_ms),
         step_ms_first=step_ms[0],
     )

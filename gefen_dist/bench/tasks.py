@@ -344,7 +344,8 @@ def _lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     x, y = batch
     out = model(x)
     logits = out[0] if isinstance(out, tuple) else out
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    # the loss in fp32 for a bf16 model (its logits as computed): a no-op for an fp32 one
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
 def _cls_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
