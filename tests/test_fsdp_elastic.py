@@ -8,7 +8,10 @@ functions, Gefen built afresh with no configure call: FSDP2 full state dicts
 with ``set_optimizer_state_dict(full_state_dict=True)``, also ``broadcast_from_rank0=True``, and
 a ``dcp.save`` of full state dicts read back with ``checkpoint.read_dcp``); FSDP1
 ``FSDP.optim_state_dict`` under FULL_STATE_DICT (also ``rank0_only=True``) and under
-SHARDED_STATE_DICT with DCP, loaded with ``FSDP.optim_state_dict_to_load``.
+SHARDED_STATE_DICT with DCP, loaded with ``FSDP.optim_state_dict_to_load``, the full ones also
+under ``FullOptimStateDictConfig(rank0_only=True)`` with rank 0 alone passing the dict (what
+Accelerate's FULL_STATE_DICT load does): Gefen's entries are ``bytes`` with a ``cpu()``
+(``integrations.fsdp.Entry``), which that path calls on every value of rank 0's dict.
 
 How close, and why (4 bits, the 20 resumed steps' losses against the uninterrupted run's):
 
@@ -46,6 +49,8 @@ CASES = [  # tests/dist/fsdp_elastic.py's: setup / checkpoint / how it is loaded
     "fsdp1_orig/full/fsdp1",
     "fsdp1_orig/rank0/fsdp1",
     "fsdp1_orig/sharded/fsdp1",
+    "fsdp1_flat/rank0/fsdp1_rank0",
+    "fsdp1_orig/rank0/fsdp1_rank0",
 ]
 RESUMES = [(case, world) for case in CASES for world in WORLDS]
 

@@ -60,9 +60,10 @@ usual 0-dim ``"step"`` (and, for DTensor parameters, the codebook, which every r
   them (the hook gathers a flat parameter's), as does a sharded DCP checkpoint read whole
   (``gefen_dist.checkpoint.read_dcp``); a sharded one loaded as it is lacks the others' entries
   and is refused naming the missing ranks (DCP, asked for a rank the checkpoint lacks, refuses
-  first: "Missing key ... gefen.rank{r}"). FSDP1's ``rank0_only`` *load* calls ``.cpu()`` on
-  every state value of rank 0's dict, so it cannot load non-tensor state: save with
-  ``rank0_only`` if you like, but load the (small) full checkpoint on every rank.
+  first: "Missing key ... gefen.rank{r}"). FSDP1's ``rank0_only`` *load* (Accelerate's
+  FULL_STATE_DICT load) broadcasts rank 0's dict and then calls ``.cpu()`` on each of its
+  values: the entries are therefore ``Entry`` (``bytes`` with a ``cpu()``) and the run id a
+  ``Text``, both safe globals for ``torch.load(weights_only=True)``.
 - A full state dict through DCP's functions (``get_optimizer_state_dict(full_state_dict=True)``)
   holds, for each DTensor parameter, the whole tensor's single-process state, gathered from
   every rank's piece (DCP gathers DTensors only, and Gefen's state is none); it loads at any
@@ -107,6 +108,26 @@ _FORMAT = "gefen-rank-state/1"
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 _SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *_HYBRID)
 _SUPPORTED = (*_SHARDED, ShardingStrategy.NO_SHARD)
+
+
+class Entry(bytes):
+    """A rank's entry as it is written: ``bytes`` with a ``cpu()`` that returns them, since
+    FSDP1's ``rank0_only`` load (``optim_state_dict_to_load``) calls ``.cpu()`` on every state
+    value of rank 0's dict after sharding it. Loadable with ``weights_only=True`` once
+    ``gefen_dist`` is imported (a safe global); plain ``bytes`` entries read the same."""
+
+    def cpu(self) -> Entry:
+        return self
+
+
+class Text(str):
+    """The run id beside the entries, with ``cpu()`` for the same reason (``Entry``)."""
+
+    def cpu(self) -> Text:
+        return self
+
+
+torch.serialization.add_safe_globals([Entry, Text])
 
 
 @dataclass
@@ -439,11 +460,11 @@ def _pack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
         blob = _encode(
             st, opt._segments_for(p), rank, world, integ.run, outside, sharding.is_copy(p)
         )
-        entry: dict[str, Any] = {RUN_KEY: integ.run, key: blob}
+        entry: dict[str, Any] = {RUN_KEY: Text(integ.run), key: Entry(blob)}
         if st is not None:
             entry = {"step": st["step"], **{k: st[k] for k in outside}, **entry}
         state[idx] = entry
-        mine[idx] = (key, blob)
+        mine[idx] = (key, Entry(blob))
     if _gather_full(integ, request):
         gathered = _all_gather_flat(integ, opt, mine)
         for idx, entries in gathered.items():

@@ -14,7 +14,8 @@ trains on to STEPS: the uninterrupted run, whose losses OUT/rank{r}.json keeps p
 
 ``resume OUT CKDIR SAVE_AT STEPS BITS``: at this world size, for every checkpoint, the same
 model and Gefen built afresh (Gefen configures itself: nobody calls configure), the checkpoint
-loaded through the frameworks' own functions, steps SAVE_AT .. STEPS: losses per case. Then bad
+loaded through the frameworks' own functions (FSDP1 full ones also with ``rank0_only=True``:
+rank 0 alone passes the dict), steps SAVE_AT .. STEPS: losses per case. Then bad
 input, whose errors are kept by case: another model, and a checkpoint lacking a rank's entry.
 """
 
@@ -52,6 +53,8 @@ CASES = [  # (setup, checkpoint, how it is loaded)
     ("fsdp1_orig", "full", "fsdp1"),
     ("fsdp1_orig", "rank0", "fsdp1"),
     ("fsdp1_orig", "sharded", "fsdp1"),
+    ("fsdp1_flat", "rank0", "fsdp1_rank0"),
+    ("fsdp1_orig", "rank0", "fsdp1_rank0"),
 ]
 FULL = StateDictType.FULL_STATE_DICT
 SHARDED = StateDictType.SHARDED_STATE_DICT
@@ -117,6 +120,14 @@ def load(model, opt, tree: dict, how: str) -> None:
         with FSDP.state_dict_type(model, FULL):
             model.load_state_dict(tree["model"])
             osd = FSDP.optim_state_dict_to_load(model, opt, tree["optim"])
+        opt.load_state_dict(osd)
+        return
+    if how == "fsdp1_rank0":  # Accelerate's FULL_STATE_DICT load: rank 0 alone holds the dict
+        only = FullOptimStateDictConfig(rank0_only=True)
+        with FSDP.state_dict_type(model, FULL, FullStateDictConfig(), only):
+            model.load_state_dict(tree["model"])
+            optim = tree["optim"] if rank0() else {}
+            osd = FSDP.optim_state_dict_to_load(model, opt, optim)
         opt.load_state_dict(osd)
         return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=how == "broadcast")
