@@ -201,3 +201,39 @@ def test_describe_counts_exact_split_and_merged_pieces():
         "split": 0,
         "merged": 1,
     }
+
+
+# -- a DTensor piece as segments (distributed/sharding.runs_of) ----------------------------------
+def _held(shape, indices):
+    """Global flattened indices of a local piece's elements, in local order."""
+    g = torch.arange(int(torch.tensor(shape).prod())).view(shape)
+    for d, ix in enumerate(indices):
+        if ix is not None:
+            g = g.index_select(d, ix)
+    return g.reshape(-1)
+
+
+@pytest.mark.parametrize(
+    "shape,indices,count",
+    [
+        ((8, 6), [torch.arange(2, 6), None], 1),  # FSDP2's dim-0 shard: one run
+        ((8, 6), [torch.arange(4, 8), torch.arange(0, 3)], 4),  # rowwise: a run per row
+        ((8, 6), [torch.tensor([0, 1, 4, 5]), None], 2),  # strided rows: two runs
+        ((8, 6), [None, torch.arange(3, 6)], 8),
+        ((4, 3, 5), [torch.arange(1, 3), torch.arange(0, 2), None], 2),
+        ((4, 3, 5), [None, None, torch.arange(0, 5)], 1),
+        ((5,), [torch.arange(0, 0)], 1),  # an empty piece
+    ],
+)
+def test_a_piece_becomes_the_runs_of_the_tensor_it_holds(shape, indices, count):
+    from gefen_dist.distributed.sharding import runs_of
+
+    segs = runs_of(shape, indices, "w")
+    held = _held(shape, indices)
+    assert len(segs) == count
+    assert sum(s.numel for s in segs) == held.numel()
+    for s in segs:
+        assert s.shape == shape and s.name == "w"
+        want = torch.arange(s.start, s.start + s.numel)
+        assert torch.equal(held[s.offset : s.offset + s.numel], want)
+    assert [s.offset for s in segs] == sorted(s.offset for s in segs)

@@ -87,38 +87,50 @@ def dim_indices(p: torch.Tensor) -> list[torch.Tensor | None]:
 
 
 def piece_segments(p: torch.Tensor, key: str) -> list[Segment]:
-    """This rank's local tensor as the runs of the global flattened tensor it holds, in local
-    order: consecutive local runs that are consecutive globally are one segment."""
+    """This rank's local tensor as the runs of the global flattened tensor it holds."""
     shape = tuple(p.shape)
     lt = local(p)
     if lt.numel() == 0 or not shape:
         return [Segment(offset=0, numel=lt.numel(), start=0, shape=shape, name=key)]
     ix = dim_indices(p)
-    full = [torch.arange(n) if i is None else i for i, n in zip(ix, shape, strict=True)]
-    if tuple(len(i) for i in full) != tuple(lt.shape):
+    got = tuple(len(i) if i is not None else n for i, n in zip(ix, shape, strict=True))
+    if got != tuple(lt.shape):
         raise RuntimeError(
             f"{key}: local tensor {tuple(lt.shape)} is not the piece its placements "
-            f"{tuple(p.placements)} give ({tuple(len(i) for i in full)})"
+            f"{tuple(p.placements)} give ({got})"
         )
+    return runs_of(shape, ix, key)
+
+
+def runs_of(
+    shape: tuple[int, ...], indices: list[torch.Tensor | None], key: str = ""
+) -> list[Segment]:
+    """The segments of a contiguous local tensor that holds, per dim d of a tensor of ``shape``,
+    the global indices ``indices[d]`` (None: all, in order), in local (C) order: consecutive
+    local runs that are consecutive globally make one segment, so a piece cut on dim 0 alone
+    is one segment and a piece cut on an inner dim one per row (and per stretch of indices)."""
+    shape = tuple(shape)
+    full = [torch.arange(n) if i is None else i.long() for i, n in zip(indices, shape, strict=True)]
+    numel = 1
+    for i in full:
+        numel *= len(i)
     k = len(shape) - 1
-    while k >= 0 and ix[k] is None:
+    while k >= 0 and (indices[k] is None or torch.equal(full[k], torch.arange(shape[k]))):
         k -= 1
-    if k < 0:
-        return [Segment(offset=0, numel=lt.numel(), start=0, shape=shape, name=key)]
+    if k < 0 or numel == 0:
+        return [Segment(offset=0, numel=numel, start=0, shape=shape, name=key)]
     inner = 1
     for n in shape[k + 1 :]:
         inner *= n
     gstride = [inner]
     for n in reversed(shape[1 : k + 1]):
         gstride.insert(0, gstride[0] * n)
-    # runs of consecutive indices along dim k
-    d = full[k]
+    d = full[k]  # runs of consecutive indices along dim k
     cut = torch.ones(len(d), dtype=torch.bool)
     cut[1:] = d[1:] != d[:-1] + 1
     first = torch.nonzero(cut).view(-1)
     length = torch.diff(first, append=torch.tensor([len(d)]))
-    # the global offset of each local row of dims < k, in local (C) order
-    rows = torch.zeros(1, dtype=torch.long)
+    rows = torch.zeros(1, dtype=torch.long)  # global offset of each local row of dims < k
     for i, s in zip(full[:k], gstride[:k], strict=True):
         rows = (rows[:, None] + i[None, :] * s).reshape(-1)
     starts = (rows[:, None] + d[first][None, :] * inner).reshape(-1)
