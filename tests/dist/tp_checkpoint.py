@@ -12,7 +12,8 @@ argv: MODE OUT CKDIR BITS.
   state with the dump, train the same steps and compare parameters and losses with the
   uninterrupted run; then, anew, load the full state dict at the same mesh
   (``set_optimizer_state_dict(full_state_dict=True)``: each rank cuts its pieces from the whole
-  tensors' state, ``method.portable``) and train the same steps.
+  tensors' state, ``method.portable``) and train the same steps; and load it into one process
+  (``checkpoint.load_optimizer``, no TP nor FSDP) and train the same steps on the whole batch.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from tp_common import build, full_params, mesh2d, parallelize, train
+
+from gefen_dist import checkpoint
 
 FIRST, SECOND = 3, 3
 
@@ -86,6 +89,16 @@ def resume_run(ck: Path, bits: int) -> dict:
     set_model_state_dict(model, tree["model"], options=options)
     set_optimizer_state_dict(model, opt, tree["optim"], options=options)
     result["full"] = dict(losses=train(model, opt, FIRST, SECOND, mesh, True))
+    # the same full state dict in one process (no TP, no FSDP) on the whole batch
+    tree = torch.load(ck / "full.pt", weights_only=True)  # set_*_state_dict took the first
+    plain = build()
+    plain.load_state_dict(tree["model"])
+    one = gefen(plain.parameters(), bits)
+    checkpoint.load_optimizer(one, plain, tree["optim"])
+    result["one_process"] = dict(
+        losses=train(plain, one, FIRST, SECOND, None, False),
+        blocks=sorted({int(st["layout"][0, 3]) for st in one.state.values()}),
+    )
     return result
 
 
