@@ -9,8 +9,10 @@ the tests below assert on them. Tolerances, and why:
   parameters bit for bit.
 - Where a shard boundary cuts a block, each piece keeps its own v and absmax by design (a block
   never spans ranks); those elements take steps that differ by a few percent. Measured over 5
-  steps: loss within 4e-5 (a 101x63 weight with 63-element blocks cut by FSDP1's flat shard),
-  1.1e-5 (the GPT's qkv, 4096-element blocks cut by FSDP2's row split). Bound: 2e-4.
+  steps: loss within 1.9e-6 (the GPT's 64-element row blocks, two cut by FSDP1's flat shard).
+  Bound: 2e-4. The odd model's weight takes column blocks, and a row split cuts every one of
+  them (126 pieces, each with v and absmax from half a column): within 2.9e-4 under FSDP2 and
+  5.2e-4 under FSDP1 (absolute, on a loss of 1.15). Bound: 2e-3.
 - "split" runs are data parallel: the gradient average differs from the single-process one by
   fp32 rounding (~1e-7 relative), which moves a few normalised g0 values across the 1024-bin
   histogram's bin edges, and the exact DP then moves sparse tail levels by a fraction of a bin:
@@ -39,7 +41,7 @@ SETUPS = [
     ("odd", "fsdp2"),
 ]
 RUNS = [(k, s, m) for k, s in SETUPS for m in ("same", "split")]
-CUT_LOSS_TOL = 2e-4
+CUT_LOSS_TOL = {"gpt": 2e-4, "odd": 2e-3}
 SPLIT_LOSS_TOL = 2e-4
 
 
@@ -66,7 +68,7 @@ def test_block_sizes_are_the_single_process_ones(eq, kind, setup, mode):
             assert bs == ref[name], (name, bs, ref[name])
             seen[name] = bs
     assert set(seen) == set(ref)  # every tensor is held, in part, by some rank
-    assert any(bs > 1 for bs in seen.values())
+    assert any(bs > 1 or bs < 0 for bs in seen.values())  # some tensor shares v
 
 
 @pytest.mark.parametrize("kind,setup,mode", RUNS, ids=_ids(RUNS))
@@ -90,13 +92,14 @@ def test_loss_follows_single_process(eq, kind, setup, mode):
         assert drift == 0.0
         assert max(max(run["param_drift"].values()) for run in runs) == 0.0
     else:
-        assert drift <= (CUT_LOSS_TOL if cut else SPLIT_LOSS_TOL), drift
+        assert drift <= (CUT_LOSS_TOL[kind] if cut else SPLIT_LOSS_TOL), drift
 
 
 def test_the_layouts_exercise_cut_blocks_uneven_shards_and_padding(eq):
     """Guards the tests above against a model change that would leave nothing to check."""
     r0, r1 = eq
-    assert r0["gpt/fsdp2/same"]["cut_blocks"] + r1["gpt/fsdp2/same"]["cut_blocks"] > 0
+    assert r0["odd/fsdp2/same"]["cut_blocks"] + r1["odd/fsdp2/same"]["cut_blocks"] > 0
+    assert r0["gpt/fsdp2/same"]["cut_blocks"] + r1["gpt/fsdp2/same"]["cut_blocks"] == 0
     assert r0["odd/fsdp1_flat/same"]["cut_blocks"] + r1["odd/fsdp1_flat/same"]["cut_blocks"] > 0
     assert r0["odd/fsdp1_flat/same"]["padding"] + r1["odd/fsdp1_flat/same"]["padding"] == 1
     for setup in ("fsdp1_flat", "fsdp1_orig", "fsdp2"):  # factored tensors split over ranks

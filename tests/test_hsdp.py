@@ -64,7 +64,7 @@ def test_block_sizes_are_the_single_process_ones(eq, kind, setup, mode):
             assert bs == ref[name], (name, bs, ref[name])
             seen[name] = bs
     assert set(seen) == set(ref)
-    assert any(bs > 1 for bs in seen.values())
+    assert any(bs > 1 or bs < 0 for bs in seen.values())  # some tensor shares v
 
 
 @pytest.mark.parametrize("kind,setup,mode", RUNS, ids=_ids(RUNS))
@@ -88,7 +88,7 @@ def test_loss_follows_single_process(eq, kind, setup, mode):
         assert drift == 0.0
         assert max(max(run["param_drift"].values()) for run in runs) == 0.0
     else:
-        assert drift <= (CUT_LOSS_TOL if cut else SPLIT_LOSS_TOL), drift
+        assert drift <= (CUT_LOSS_TOL[kind] if cut else SPLIT_LOSS_TOL), drift
 
 
 @pytest.mark.parametrize("kind,setup,mode", RUNS, ids=_ids(RUNS))
@@ -118,14 +118,14 @@ def test_split_hsdp_follows_1d_fsdp2_over_the_world(eq):
     """Data parallel over 4 ranks either way; the shard boundaries differ (2 pieces, 4)."""
     hsdp, world = _runs(eq, "gpt", "hsdp2", "split"), _runs(eq, "gpt", "fsdp2_world", "split")
     drift = max(abs(a - b) for a, b in zip(hsdp[0]["losses"], world[0]["losses"], strict=True))
-    assert drift <= CUT_LOSS_TOL, drift
+    assert drift <= CUT_LOSS_TOL["gpt"], drift
     assert world[0]["blocks"] == hsdp[0]["blocks"]
 
 
 def test_the_layouts_exercise_cut_blocks_and_padding(eq):
     """Guards the tests above against a model change that would leave nothing to check."""
-    assert sum(run["cut_blocks"] for run in _runs(eq, "gpt", "hsdp2", "same")) > 0
-    assert sum(run["cut_blocks"] for run in _runs(eq, "odd", "hsdp2", "same")) == 0
+    assert sum(run["cut_blocks"] for run in _runs(eq, "odd", "hsdp2", "same")) > 0
+    assert sum(run["cut_blocks"] for run in _runs(eq, "gpt", "hsdp2", "same")) == 0
     assert sum(run["padding"] for run in _runs(eq, "odd", "hybrid", "same")[:2]) == 1
     for setup in ("hsdp2", "hybrid", "hybrid_orig"):
         assert eq[0][f"gpt/{setup}/same"]["memory"]["spread_v_cross"], setup

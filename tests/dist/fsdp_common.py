@@ -31,15 +31,19 @@ HYPER = dict(lr=3e-3, weight_decay=0.1)
 
 class Odd(nn.Module):
     """Shapes that shard unevenly on 2 ranks: dim 0 of 101 rows, 6363 + 707 + 7 elements in all
-    (odd, so FSDP1 pads its flat shard), and a 101x63 weight large enough to get blocks."""
+    (odd, so FSDP1 pads its flat shard), and a 101x63 weight large enough to get blocks. Its
+    inputs have fixed gains of 0.1 to 10 in shuffled order, so its g0 varies by column and it
+    takes column blocks, which FSDP2's row split cuts (each rank keeps v per column it holds)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(63, 101, bias=False)
         self.out = nn.Linear(101, 7)
+        order = torch.randperm(63, generator=torch.Generator().manual_seed(0))
+        self.register_buffer("gain", torch.logspace(-0.15, 0.15, 63)[order], persistent=False)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pred = self.out(torch.tanh(self.fc(x)))
+        pred = self.out(torch.tanh(self.fc(x * self.gain)))
         return pred, F.mse_loss(pred, y)
 
 
