@@ -48,7 +48,7 @@ def test_block_sizes_are_the_single_process_ones(eq, mode):
     ref = eq[0]["ref"]["blocks"]
     for r in eq:
         assert r[mode]["blocks"] == {n: [bs] for n, bs in ref.items()}
-    assert any(bs > 1 for bs in ref.values()) and any(bs < 0 for bs in ref.values())
+    assert any(bs != 1 for bs in ref.values())  # blocks to agree on, whichever the rule picks
 
 
 @pytest.mark.parametrize("mode", MODES)
