@@ -219,9 +219,12 @@ class Gefen(Optimizer):
         if group is None or dist.get_world_size(group) == 1:
             return
         if self._group is not None and group is not self._group:
+            where = f" ({sharding.layout(p)})" if sharding.is_dtensor(p) else ""
             raise ValueError(
                 f"{self._name(p)} is sharded over another process group than earlier "
-                "parameters; one Gefen optimizer spans one process group"
+                f"parameters{where}; one Gefen optimizer spans one process group (under tensor "
+                "parallelism every parameter must be a DTensor on the (dp, tp) mesh, norms as "
+                "Replicate() on tp)"
             )
         self._group = group
 

@@ -125,8 +125,7 @@ def test_state_bytes_are_the_single_process_ones_split_over_ranks(eq, kind, setu
 
 def test_unsupported_layouts_and_misuse_fail_naming_the_problem(eq):
     errors = eq[0]["errors"]
-    assert "'blocks.0.proj.weight'" in errors["shard_dim1"] and "dim 1" in errors["shard_dim1"]
-    assert "'blocks.0.mlp.weight'" in errors["mesh_2d"] and "2-D" in errors["mesh_2d"]
+    assert {"shard_dim1", "mesh_2d"}.isdisjoint(errors)  # tensor parallelism: tests/test_tp.py
     assert "no FSDP-sharded parameter" in errors["not_sharded"]
     assert "Gefen optimizer" in errors["not_gefen"]
     # FSDP1 without configure: Gefen finds the units itself and steps (tests/test_fsdp1_auto.py),
