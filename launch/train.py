@@ -40,7 +40,7 @@ the same world size it continues with the same losses as a run never stopped. Ev
 HSDP also resumes at another world size (``ELASTIC``), through the framework's own load where
 that re-cuts Gefen's state: DeepSpeed's ``engine.load_checkpoint`` (re-cut by
 ``gefen_dist.integrations.deepspeed``) and Accelerate's ``load_state`` (DDP, or DeepSpeed;
-Accelerate's FSDP is refused, as its full-state load is FSDP1's ``rank0_only``). FSDP2 and
+Accelerate's FSDP, which runs only on GPUs and is untested here, is refused). FSDP2 and
 FSDP1 read their DCP checkpoint whole (``gefen_dist.checkpoint.read_dcp``): FSDP2 reshards
 the model through DCP and re-cuts Gefen's consolidated state, FSDP1 loads the whole model and
 optimizer dicts through ``FSDP.optim_state_dict_to_load``. ``docs/checkpoints.md`` says how
@@ -801,9 +801,9 @@ def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device)
         if saved != world and accelerator.distributed_type == DistributedType.FSDP:
             raise ConfigError(
                 f"checkpoint.resume {str(d)!r}: saved by {saved} processes, resumed by {world} "
-                "under Accelerate's FSDP, whose load at another world size is not supported "
-                "(its full optimizer state dict loads rank0_only, which Gefen's FSDP1 state "
-                "cannot take): resume at the saved world size"
+                "under Accelerate's FSDP, whose load at another world size this script has "
+                "not been tested with (Accelerate runs FSDP only on GPUs): resume at the saved "
+                "world size, or save the run under FSDP1 or FSDP2 through torchrun"
             )
         accelerator.load_state(str(d / "accelerate"))
     elif mode == "ddp":
