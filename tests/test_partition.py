@@ -200,3 +200,24 @@ def test_column_statistics_of_pieces_merge_to_the_whole():
     assert pt.choose_block_size(merged, x.numel()) == pt.choose_block_size(whole, x.numel()) == -63
     with pytest.raises(ValueError, match="period"):
         pt.merge_stats([whole, pt.segment_stats(x, 0, cands, 0)])
+
+
+def _gates(seed, gate_spread, row_spread, n_gates=3, rows=64, row=96):
+    """Stacked gate matrices (a GRU's weight_hh: r, z, n on top of each other): g0 has one scale
+    per gate and, inside a gate, one per row."""
+    g = _gen(seed)
+    gate = torch.exp(gate_spread * torch.randn(n_gates, 1, 1, generator=g))
+    gate = gate.expand(n_gates, rows, 1).reshape(n_gates * rows, 1)
+    rows_ = torch.exp(row_spread * torch.randn(n_gates * rows, 1, generator=g))
+    return gate * rows_ * torch.randn(n_gates * rows, row, generator=g)
+
+
+@pytest.mark.parametrize(("seed", "gate_spread", "row_spread"), [(0, 1.5, 0.5), (3, 2.0, 0.3)])
+def test_gates_of_distinct_rows_give_a_row(seed, gate_spread, row_spread):
+    """The gate is the largest jump here, but its rows differ (R(gate) >= (1 + JUMP) R(row)):
+    blocks stay within a row. (3, 2.0, 0.3): no candidate inside a row has a clear jump of its
+    own, so the row itself."""
+    x = _gates(seed, gate_spread, row_spread)
+    stats = pt.segment_stats(x.reshape(-1), 0, pt.candidate_block_sizes(tuple(x.shape)))
+    assert pt._contiguous(stats, x.numel())[0] == 64 * 96  # the gate, without the rows test
+    assert pt.block_size_for(x) == 96

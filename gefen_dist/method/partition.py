@@ -20,6 +20,10 @@ The rule, exactly:
    tensor, R = 1, when there is none).
 4. B = the p with the largest jump (the larger p on ties), if that jump is clear,
    J(p) >= 1 + JUMP, and the blocks below it are structured, R(p) <= STRUCTURE; else B = 1.
+   Rows: where that B spans several rows (B > row, the row a candidate) and its rows are not
+   alike, R(B) >= (1 + JUMP) R(row) (growing a row to B is itself a clear jump), B = the same
+   choice among the candidates of at most a row, or the row itself where none of them has a
+   clear jump.
 5. Columns: for a tensor of at least two dims with at least MIN_BLOCK rows of at most MAX_BLOCK
    elements, the strided reading of "period" (METHOD.md, 2) is a candidate too: period P = the
    row length, block j = the elements at flat index = j mod P, i.e. column j of the (rows, P)
@@ -44,6 +48,19 @@ shared v then moves each step by an RMS of 0.5 |ln(v_i / v_block)| ~ 0.33 at g0,
 error the rule's own blocks carry later in training (0.24-0.35 at step 440 on the GRU,
 ``benchmarks/sharing_drift.py``); inside the blocks it chooses, c is -0.2 to 0.42 at g0
 (``python benchmarks/alike.py`` prints both c's per tensor and seed).
+
+Why rows before multi-row blocks (step 4): the largest jump can sit above a finer structure the
+same test also finds. A GRU's stacked gate matrices (576 = 3 gates x 192 rows) have g0^2 that
+varies by gate and, inside a gate, by row: weight_hh R(192) = 0.65, R(36864) = 0.85, whole tensor
+1, so the gate (J 1.17) beat the row (J 1.15) on seed 2; over seeds 0-5 weight_hh took a gate on
+2 and weight_ih on 4.
+A block of a whole gate leaves 3 blocks, under MIN_CROSS_BLOCKS, so the tensor also lost its cross
+factor: one v and one absmax for 36864 elements whose rows differ, and g0's gate structure is the
+untrained cell's (from step ~20 on, the same rule on that step's gradient picks rows). At AdamW's
+best lr (x3) the 8-bit gap to AdamW over 6 paired seeds went from +1.28 % (t +1.0; +5.8 % on a
+seed with two gate blocks) to -3.78 % (t -2.8) with rows (``results/gru_high_lr.md``). Blocks of
+several alike rows (heads: R(head) ~ R(row)) still form; a row costs ~(4 + 4) / row bytes per
+parameter more than a gate, +0.048 on the GRU with both matrices affected.
 
 Why columns: the first gradients of some weights vary along the input axis, not the output axis
 (an MLP's down projection: within-row R 0.93, within-column 0.69, measured by
@@ -278,6 +295,12 @@ def choose_block_size(stats: TensorStats, numel: int, row: int = 0) -> int:
     contiguous blocks, B = -P columns of period P, B = 1 no sharing. ``row``: the tensor's
     row length (``row_length``), for step 6; 0 skips it."""
     best, r_best = _contiguous(stats, numel)
+    if row and best > row and row in stats.candidates:
+        r_row = heterogeneity(stats, numel)[stats.candidates.index(row)]
+        if not r_best < r_row * (1.0 + JUMP):  # its rows differ: keep blocks within a row
+            best, r_best = _contiguous(stats, numel, limit=row)
+            if best == 1:
+                best, r_best = row, r_row
     r_col = column_heterogeneity(stats, numel)
     if r_col <= STRUCTURE and (best == 1 or r_col < r_best):
         return -stats.period
@@ -287,14 +310,16 @@ def choose_block_size(stats: TensorStats, numel: int, row: int = 0) -> int:
     return best
 
 
-def _contiguous(stats: TensorStats, numel: int) -> tuple[int, float]:
+def _contiguous(stats: TensorStats, numel: int, limit: int = 0) -> tuple[int, float]:
+    """Steps 2-4 without the rows test: (B, R(B)), (1, inf) for none; ``limit`` > 0 considers
+    only candidates of at most that many elements (their jumps still look above it)."""
     cands = stats.candidates
     if not cands:
         return 1, float("inf")
     r = heterogeneity(stats, numel)
     best, best_jump, r_best = 1, 1.0 + JUMP, float("inf")
     for i, p in enumerate(cands):
-        if not r[i] <= STRUCTURE:
+        if not r[i] <= STRUCTURE or (limit and p > limit):
             continue
         nxt = next((r[j] for j in range(i + 1, len(cands)) if cands[j] % p == 0), 1.0)
         jump = nxt / r[i] if r[i] > 0 else float("inf")
