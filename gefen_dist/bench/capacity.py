@@ -604,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="results/bench/capacity")
     ap.add_argument(
         "--optimizers",
-        default=",".join(peers.PEERS),
+        default=",".join(peers.DEFAULT),
         help="the first one sets the per-sample slope; AdamW by default",
     )
     ap.add_argument("--modes", default="single,ddp,fsdp2")

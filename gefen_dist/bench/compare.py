@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_arguments(p)
     a = p.parse_args(argv)
-    opts = a.optimizers.split(",") if a.optimizers else list(peers.PEERS)
+    opts = a.optimizers.split(",") if a.optimizers else list(peers.DEFAULT)
     scale = a.scale
     if a.smoke:
         scale = min(scale, 0.03)

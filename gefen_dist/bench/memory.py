@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/bench/memory")
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--optimizers", default=",".join(peers.PEERS))
+    ap.add_argument("--optimizers", default=",".join(peers.DEFAULT))
     ap.add_argument(
         "--full",
         default="gpt2-124m",

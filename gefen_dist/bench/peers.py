@@ -152,6 +152,10 @@ PEERS: dict[str, Peer] = {
     )
 }
 
+DEFAULT: tuple[str, ...] = tuple(n for n in PEERS if not n.startswith("gefen4_bf16"))
+"""What the suite, the memory and the capacity benchmarks compare unless told otherwise: the
+optimizers on fp32 weights. The bf16-weight variants change the model too (``docs/bf16.md``)."""
+
 
 def build(
     name: str,
