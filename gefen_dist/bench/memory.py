@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -44,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gefen_dist.bench import peers
+from gefen_dist.bench import peers, store
 
 GiB = 2**30
 CHUNK_NUMEL = 1 << 24
@@ -553,9 +554,24 @@ def main(argv: list[str] | None = None) -> None:
 def _write(out: Path, records: list[dict], optimizers: list[str]) -> None:
     """memory.md, memory.json and memory.png from the per-model records."""
     md = table(records, optimizers)
-    (out / "memory.md").write_text(md + "\n\nGefen's blocks:\n\n" + blocks_table(records) + "\n")
+    rev = store.revision()
+    meta = dict(
+        command="python -m gefen_dist.bench memory "
+        + " ".join(sys.argv[2:] if sys.argv[1:2] == ["memory"] else sys.argv[1:]),
+        revision=rev["code"],
+        head=rev["head"],
+        machine=f"{platform.machine()}, {store.cpu_model()}, {os.cpu_count()} cores",
+        torch=torch.__version__,
+    )
+    head = (
+        f"Command: `{meta['command'].strip()}`  \nCode revision (last commit touching "
+        f"`gefen_dist/`): `{meta['revision']}`, HEAD `{meta['head']}`  \nMachine: "
+        f"{meta['machine']}, torch {meta['torch']}\n\n"
+    )
+    blocks = "\n\nGefen's blocks:\n\n" + blocks_table(records) + "\n"
+    (out / "memory.md").write_text(head + md + blocks)
     (out / "memory.json").write_text(
-        json.dumps(dict(records=records, paper=PAPER, optimizers=optimizers), indent=1)
+        json.dumps(dict(meta=meta, records=records, paper=PAPER, optimizers=optimizers), indent=1)
     )
     plot(records, optimizers, out / "memory.png")
     print(md)

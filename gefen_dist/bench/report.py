@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gefen_dist.bench import peers, tasks
+from gefen_dist.bench import peers, store, tasks
 
 GEFEN = {"gefen8": (0.01, 0.005), "gefen4": (0.02, 0.005)}
 """Goal (b): allowed relative val-loss gap (LM tasks) and accuracy gap (classification)."""
@@ -303,7 +303,8 @@ def header(cmd: str, rev: dict, ignored: dict, wall: str, jobs: int = 2) -> list
     that two reports are not comparable (the lr-sweep report shares them)."""
     return [
         f"Command: `{cmd}`  ",
-        f"Machine: {platform.machine()}, {_cores()} cores, torch {_torch()}, Python "
+        f"Machine: {platform.machine()} ({store.cpu_model()}), {_cores()} cores, torch "
+        f"{_torch()}, Python "
         f"{platform.python_version()}, one torch thread per run, at most {jobs} runs at once.  ",
         f"Code revision (last commit touching `gefen_dist/`): `{rev['code']}`, HEAD "
         f"`{rev['head']}`. Only records of this revision and these settings are used"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,15 @@ def revision() -> dict[str, str]:
     return dict(code=rev, head=head[:12])
 
 
+def cpu_model() -> str:
+    """The CPU's model name: torch's CPU kernels differ between CPUs, and so do high-lr runs."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
 def settings_hash(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -80,7 +90,6 @@ def record(
     rev: dict[str, str],
     body: dict[str, Any],
 ) -> dict[str, Any]:
-    import platform
     import time
 
     import torch
@@ -96,6 +105,7 @@ def record(
         settings_hash=settings_hash(settings),
         torch=torch.__version__,
         machine=f"{platform.machine()} {platform.system()}",
+        cpu=cpu_model(),
         time=time.strftime("%Y-%m-%dT%H:%M:%S"),
         **body,
     )
