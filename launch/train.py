@@ -36,13 +36,14 @@ torch.save by rank 0, FSDP1/FSDP2 torch.distributed.checkpoint, DeepSpeed
 ``engine.save_checkpoint``, Accelerate ``save_state``; every rank adds its step, data generator
 and loss curve. ``--resume DIR`` continues that run from the newest complete checkpoint in DIR
 (or from DIR itself, where it is one): same config (``checkpoint.*`` aside) and launcher. At
-the same world size it continues with the same losses as a run never stopped. Every mode but
-HSDP also resumes at another world size (``ELASTIC``), through the framework's own load where
+the same world size it continues with the same losses as a run never stopped. Every mode also
+resumes at another world size (``ELASTIC``), and HSDP on another mesh (``sharding.mesh`` may
+change; the marker records the mesh that saved), through the framework's own load where
 that re-cuts Gefen's state: DeepSpeed's ``engine.load_checkpoint`` (re-cut by
 ``gefen_dist.integrations.deepspeed``) and Accelerate's ``load_state`` (DDP, or DeepSpeed;
-Accelerate's FSDP, which runs only on GPUs and is untested here, is refused). FSDP2 and
-FSDP1 read their DCP checkpoint whole (``gefen_dist.checkpoint.read_dcp``): FSDP2 reshards
-the model through DCP and re-cuts Gefen's consolidated state, FSDP1 loads the whole model and
+Accelerate's FSDP, which runs only on GPUs and is untested here, is refused). FSDP2, HSDP and
+FSDP1 read their DCP checkpoint whole (``gefen_dist.checkpoint.read_dcp``): FSDP2 and HSDP
+reshard the model through DCP and re-cut Gefen's consolidated state, FSDP1 loads the whole model and
 optimizer dicts through ``FSDP.optim_state_dict_to_load``. ``docs/checkpoints.md`` says how
 close each is. Each rank keeps the step, the lr schedule and the curve, and draws its batches
 from a generator seeded by the seed, the step and its new rank, since the old ranks' streams
@@ -403,7 +404,7 @@ def check_launcher(cfg: dict, argv: list[str]) -> None:
     )
 
 
-ELASTIC = ("ddp", "fsdp1", "fsdp2", "deepspeed", "accelerate")
+ELASTIC = ("ddp", "fsdp1", "fsdp2", "hsdp", "deepspeed", "accelerate")
 """Sharding modes whose checkpoints resume at another world size (module docstring)."""
 
 
@@ -417,7 +418,7 @@ def check_resume(cfg: dict) -> None:
     differ = [
         f"{k}: {old.get(k)!r} saved, {new.get(k)!r} now"
         for k in sorted(old.keys() | new.keys())
-        if not k.startswith("checkpoint.") and old.get(k) != new.get(k)
+        if not k.startswith("checkpoint.") and k != "sharding.mesh" and old.get(k) != new.get(k)
     ]
     world = os.environ.get("WORLD_SIZE")
     mode = cfg["sharding"]["mode"]
@@ -736,7 +737,9 @@ def save_checkpoint(
         f.write(data)
     dist.barrier()  # every rank's files are written
     if rank == 0:
-        _commit(d, final, step, dist.get_world_size(), chaos)
+        world = dist.get_world_size()
+        mesh = hsdp_shape(cfg, world, local_world_size()) if mode == "hsdp" else None
+        _commit(d, final, step, world, chaos, mesh)
     else:
         chaos.at("commit")
     dist.barrier()
@@ -751,7 +754,9 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _commit(d: Path, final: Path, step: int, world: int, chaos: Chaos) -> None:
+def _commit(
+    d: Path, final: Path, step: int, world: int, chaos: Chaos, mesh: tuple[int, int] | None = None
+) -> None:
     """Rank 0 makes a written save a checkpoint: the files and the marker on disk before the
     rename, and the rename on disk before training goes on, so that neither a kill nor a power
     cut can leave a ``step_NNNNNN`` directory whose marker names files that are not there."""
@@ -761,7 +766,8 @@ def _commit(d: Path, final: Path, step: int, world: int, chaos: Chaos) -> None:
         files[str(f.relative_to(d))] = f.stat().st_size
     for sub in sorted({f.parent for f in d.rglob("*") if f.is_file()}):
         _fsync(sub)
-    marker = json.dumps(dict(step=step, world_size=world, files=files), indent=1)
+    head = dict(step=step, world_size=world) | ({} if mesh is None else {"mesh": list(mesh)})
+    marker = json.dumps(dict(**head, files=files), indent=1)
     with open(d / DONE, "w") as f:
         f.write(marker)
         f.flush()
@@ -812,7 +818,7 @@ def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device)
         opt.load_state_dict(ck["optim"])
     elif saved != world and mode == "fsdp1":
         load_fsdp1_elsewhere(d / "dcp", model, opt)
-    elif saved != world:
+    elif saved != world or moved_mesh(cfg, d, world):
         load_elsewhere(d / "dcp", model, opt)
     else:
         import torch.distributed.checkpoint as dcp
@@ -826,6 +832,15 @@ def load_checkpoint(cfg: dict, d: Path, model, opt, engine, accelerator, device)
     trainer = torch.load(d / TRAINER_FILE.format(0), weights_only=True)
     gen = torch.Generator().manual_seed(1000 * cfg["seed"] + 7919 * trainer["step"] + rank)
     return {**trainer, "data_rng": gen.get_state(), "world_size": world}
+
+
+def moved_mesh(cfg: dict, d: Path, world: int) -> bool:
+    """Whether an hsdp checkpoint was saved on another (replicate, shard) mesh than this run's
+    (the same world size on other nodes): its shard groups, and so Gefen's pieces, differ."""
+    if cfg["sharding"]["mode"] != "hsdp" or not (d / DONE).exists():
+        return False
+    saved = json.loads((d / DONE).read_text()).get("mesh")
+    return saved is not None and tuple(saved) != hsdp_shape(cfg, world, local_world_size())
 
 
 def saved_world(d: Path) -> int:

@@ -298,7 +298,14 @@ def test_accelerate_deepspeed_refuses_a_config_that_builds_another_optimizer(tmp
 
 @pytest.mark.parametrize(
     "config",
-    ["fsdp2.yaml", "ddp.yaml", "fsdp1.yaml", "deepspeed_zero2.yaml", "accelerate.yaml"],
+    [
+        "fsdp2.yaml",
+        "ddp.yaml",
+        "fsdp1.yaml",
+        "hsdp.yaml",
+        "deepspeed_zero2.yaml",
+        "accelerate.yaml",
+    ],
 )
 def test_a_run_resumes_at_another_world_size(config, tmp_path):
     """Saved by 2 ranks at step 3 of 6, resumed by 1 and (FSDP2) by 4: the run continues from

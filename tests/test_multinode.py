@@ -64,6 +64,15 @@ def runs(tmp_path_factory):
     ]:
         _two_nodes(tmp / f"{name}.json", *extra)
         out[name] = json.loads((tmp / f"{name}.json").read_text())
+    # the same 4 ranks on one node: a (1, 4) mesh, other shard groups than the saved (2, 2)
+    one = tmp / "one_node.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NODES * PER_NODE),
+           f"--master_port={free_port()}", str(TRAIN), "--config", str(CONFIG), *TINY,
+           "--out", str(one), "--resume", str(ck)]  # fmt: skip
+    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                       text=True, timeout=500)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    out["one_node"] = json.loads(one.read_text())
     out["ck"] = ck
     return out
 
@@ -81,6 +90,16 @@ def test_the_resumed_run_continues_the_saved_one_bit_for_bit(runs):
     assert [c["step"] for c in saving["curve"]] == [0, 1, 2, 3, 4]
     assert resumed["curve"] == saving["curve"]
     assert resumed["digest"] == saving["digest"]
+
+
+def test_a_checkpoint_of_two_nodes_resumes_on_one_node_of_as_many_ranks(runs):
+    """Same world size, another mesh: the checkpoint's marker names the (2, 2) mesh that saved
+    it, so the (1, 4) run re-cuts Gefen's state for its shard groups (launch/train.py,
+    moved_mesh) rather than asking DCP for rank entries the checkpoint lacks."""
+    saving, one = runs["saving"], runs["one_node"]
+    assert one["resumed_from_step"] == 2 and one["ran"]["mesh"] == [1, NODES * PER_NODE]
+    assert one["curve"][:3] == saving["curve"][:3]
+    assert one["curve"][-1]["val_loss"] < one["curve"][2]["val_loss"]
 
 
 def test_replicas_on_the_two_nodes_hold_the_same_bits(runs):
