@@ -44,14 +44,6 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
-
-
 def _mem_gib() -> float:
     try:
         with open("/proc/meminfo") as f:
@@ -119,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import gefen_dist.integrations.deepspeed as gd
     from gefen_dist import Gefen
+    from gefen_dist.bench import store
     from gefen_dist.demo.model import GPT, GPTConfig
 
     torch.set_num_threads(a.threads)
@@ -216,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         command="nice -n 19 python "
         + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]]),
         machine=dict(
-            cpu=_cpu_model(),
+            cpu=store.cpu_model(),
             cores=os.cpu_count(),
             memory_gib=_mem_gib(),
             system=platform.platform(),

@@ -179,14 +179,6 @@ def combine(runs: list[dict]) -> dict:
     return out
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
-
-
 def _revision() -> str:
     """The commit, "-dirty" if anything but results/ differs from it (a run of several commands
     writes its own results between them)."""
@@ -201,9 +193,11 @@ def _revision() -> str:
 def save(path: Path, rows: list[dict], **meta) -> None:
     """``rows`` and ``meta`` as JSON at ``path``, with what every result here records: the
     revision, the CPU, torch's version and the command."""
+    from gefen_dist.bench import store
+
     meta = dict(
         **meta,
-        cpu=_cpu_model(),
+        cpu=store.cpu_model(),
         revision=_revision(),
         torch=torch.__version__,
         command=" ".join(sys.argv),
