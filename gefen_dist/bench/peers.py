@@ -40,15 +40,20 @@ def _adamw(params, model, lr, betas, eps, weight_decay, **_):
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
+def _named(params, model):
+    """Named parameters when ``params`` are the model's own, so memory_report names the
+    tensors; ``params`` otherwise."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return named if [id(p) for p in params] == [id(p) for _, p in named] else params
+
+
 def _gefen(bits):
     def build(params, model, lr, betas, eps, weight_decay, **_):
         from gefen_dist import Gefen
 
-        # named parameters when they are the model's own, so memory_report names the tensors
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if [id(p) for p in params] == [id(p) for _, p in named]:
-            params = named
-        return Gefen(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bits=bits)
+        return Gefen(
+            _named(params, model), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bits=bits
+        )
 
     return build
 
@@ -62,11 +67,8 @@ def _gefen_bf16(stochastic: bool):
         from gefen_dist import Gefen
 
         model.to(torch.bfloat16)  # in place: ``params`` are the same Parameter objects
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if [id(p) for p in params] == [id(p) for _, p in named]:
-            params = named
         return Gefen(
-            params,
+            _named(params, model),
             lr=lr,
             betas=betas,
             eps=eps,
