@@ -11,8 +11,10 @@ the concatenation of its segments' pieces in segment order:
   byte at 4 bits
 - ``absmax``, ``v`` fp32, one per block of segments with B > 1 (blocks cut at segment ends)
 - ``v_cross`` fp32, the second moment's factor across the blocks of the segment's tensor, all
-  ``cross_length`` entries of it (a copy per piece where the tensor is spread over
-  ranks; ``reference``, the factor)
+  ``cross_length`` entries of it (``reference``, the factor): one copy per buffer of each
+  tensor, on every rank that holds a piece of it. A segment whose tensor an earlier segment of
+  the buffer already holds (a row of a tensor-parallel shard: ``sharding``) keeps none of its
+  own: its layout row says -(k + 1) entries, k the segment whose copy it uses
 - ``exp_avg``, ``exp_avg_sq`` bf16, one per element of segments with B = 1 (AdamW's m and v,
   rounded stochastically: ``reference.dense_update``)
 - ``step``    fp32 scalar, as AdamW
@@ -52,27 +54,47 @@ def bits_of(codebook: torch.Tensor) -> int:
     return {16: 4, 256: 8}.get(codebook.numel(), 0)
 
 
+def cross_column(segments: list[Segment], block_sizes: list[int]) -> list[int]:
+    """The layout's v_cross column: each segment's entries, or -(k + 1) where segment k of the
+    same buffer holds a piece of the same tensor (same name, shape and block size) and with it
+    the copy both use. The factor is the tensor's, so pieces of one tensor in one buffer need
+    one copy: a row-sharded tensor-parallel weight is a segment per row, and a copy per row
+    would cost more than AdamW's state."""
+    first: dict[tuple, int] = {}
+    out = []
+    for k, (seg, bs) in enumerate(zip(segments, block_sizes, strict=True)):
+        n = _cross_entries(seg, bs)
+        key = (seg.name, tuple(seg.shape), bs)
+        if n and seg.name:
+            have = first.setdefault(key, k)
+            if have != k:
+                n = -(have + 1)
+        out.append(n)
+    return out
+
+
 def allocate(
     segments: list[Segment], block_sizes: list[int], codebook: torch.Tensor, device: torch.device
 ) -> dict[str, torch.Tensor]:
     bits = bits_of(codebook)
-    n_codes = n_blocks = n_cross = n_dense = 0
+    n_codes = n_blocks = n_dense = 0
+    cross = cross_column(segments, block_sizes)
     for seg, bs in zip(segments, block_sizes, strict=True):
         if bs == 1:
             n_dense += seg.numel
         else:
             n_codes += code_bytes(seg.numel, bits)
             n_blocks += num_blocks(seg.start, seg.numel, bs)
-            n_cross += _cross_entries(seg, bs)
     f32 = dict(dtype=torch.float32, device=device)
     layout = torch.tensor(
         [
-            [s.offset, s.numel, s.start, bs, _cross_entries(s, bs)]
-            for s, bs in zip(segments, block_sizes, strict=True)
+            [s.offset, s.numel, s.start, bs, nx]
+            for s, bs, nx in zip(segments, block_sizes, cross, strict=True)
         ],
         dtype=torch.int64,
         device="cpu",
     ).view(-1, LAYOUT_COLS)
+    n_cross = sum(n for n in cross if n > 0)
     return {
         "step": torch.tensor(0.0, dtype=torch.float32, device="cpu"),
         "layout": layout,
@@ -110,9 +132,11 @@ def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentStat
                 codes=state["codes"][c : c + nc],
                 absmax=state["absmax"][b : b + nb],
                 v=state["v"][b : b + nb],
-                v_cross=state["v_cross"][x : x + nx] if nx else None,
+                v_cross=state["v_cross"][x : x + nx] if nx > 0 else None,
             )
-            c, b, x = c + nc, b + nb, x + nx
+            if nx < 0:  # the copy of an earlier segment of the same tensor
+                st.v_cross = out[-nx - 1][1].v_cross
+            c, b, x = c + nc, b + nb, x + max(nx, 0)
         out.append((offset, st))
     return out
 
@@ -125,7 +149,9 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 def upgrade(state: dict, segments: list[Segment]) -> dict:
     """A state saved by an earlier version, in today's format. Before ``v_cross`` existed (a
     4-column layout): given its column of v_cross entries and zeros for them; the factor is a
-    ratio, so it is exact again after one step (``reference``). Before B = 1 state was bf16:
+    ratio, so it is exact again after one step (``reference``). Before pieces of one tensor
+    shared one copy (``cross_column``): the first piece's copy kept, the others dropped (every
+    step wrote the same values into each). Before B = 1 state was bf16:
     fp32 ``exp_avg``/``exp_avg_sq`` rounded to the nearest bf16 once. A tensor saved as a
     strided view (torch.save keeps strides) is copied contiguous: the kernels read state as flat
     memory. Anything that does not fit is left for ``check_loaded`` to name, and nothing is
@@ -138,22 +164,51 @@ def upgrade(state: dict, segments: list[Segment]) -> dict:
     for k in ("exp_avg", "exp_avg_sq"):
         if _dense(state.get(k)) and state[k].dtype == torch.float32:
             state[k] = state[k].to(DENSE_DTYPE)
-    layout, v = state.get("layout"), state.get("v")
-    if "v_cross" in state or not _dense(layout) or not _dense(v):
+    layout = state.get("layout")
+    if "v_cross" not in state and _rows(layout, 4, segments) and _dense(state.get("v")):
+        rows = layout.tolist()
+        entries = [_cross_entries(s, int(r[3])) for s, r in zip(segments, rows, strict=True)]
+        state = {
+            **state,
+            "layout": torch.cat(
+                [layout, torch.tensor(entries, dtype=layout.dtype, device=layout.device)[:, None]],
+                dim=1,
+            ),
+            "v_cross": torch.zeros(sum(entries), dtype=torch.float32, device=state["v"].device),
+        }
+    return _one_copy(state, segments)
+
+
+def _rows(layout: object, cols: int, segments: list[Segment]) -> bool:
+    return (
+        _dense(layout)
+        and layout.dtype == torch.int64
+        and layout.dim() == 2
+        and layout.shape == (len(segments), cols)
+    )
+
+
+def _one_copy(state: dict, segments: list[Segment]) -> dict:
+    """``state`` with one v_cross copy per tensor where it holds one per piece (``upgrade``);
+    as it is where its layout is anything else (``check_loaded`` names what is wrong)."""
+    layout, vx = state.get("layout"), state.get("v_cross")
+    if not _rows(layout, LAYOUT_COLS, segments) or not _dense(vx):
         return state
-    if layout.dtype != torch.int64 or layout.dim() != 2 or layout.shape[1] != 4:
+    rows = layout.tolist()
+    want = cross_column(segments, [int(r[3]) for r in rows])
+    saved = [int(r[4]) for r in rows]
+    if saved == want or sum(saved) != vx.numel():
         return state
-    if layout.shape[0] != len(segments):
-        return state
-    entries = [_cross_entries(s, int(r[3])) for s, r in zip(segments, layout.tolist(), strict=True)]
-    return {
-        **state,
-        "layout": torch.cat(
-            [layout, torch.tensor(entries, dtype=layout.dtype, device=layout.device)[:, None]],
-            dim=1,
-        ),
-        "v_cross": torch.zeros(sum(entries), dtype=torch.float32, device=v.device),
-    }
+    keep, at = [], 0
+    for n, w in zip(saved, want, strict=True):
+        if n != (w if w >= 0 else saved[-w - 1]):
+            return state
+        if w > 0:
+            keep.append(vx[at : at + n])
+        at += n
+    new = layout.clone()
+    new[:, 4] = torch.tensor(want, dtype=layout.dtype)
+    return {**state, "layout": new, "v_cross": torch.cat(keep) if keep else vx[:0].clone()}
 
 
 def _dense(t: object) -> bool:

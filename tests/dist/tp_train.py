@@ -3,7 +3,8 @@
 argv: OUT STEPS BITS [CKDIR]. Runs: "same", every rank on the whole batch (the gradient is the
 reference one up to the rounding of the row-parallel sums); "split", each dp rank on its half.
 Writes rank{r}.json with, per run, the loss per step, codebooks, block sizes per tensor, this
-rank's placements and segment count per tensor, its state bytes beside AdamW's,
+rank's placements and segment count per tensor, its state bytes beside AdamW's and its v_cross
+entries per tensor,
 max |param - reference| and the optimizer's group; the reference; and the errors that
 still-refused layouts raise. With CKDIR, also tp_checkpoint.py's save (its result under
 "ckpt"), to spare the test a launch.
@@ -34,6 +35,7 @@ def reference(steps: int, bits: int) -> dict:
     return dict(
         losses=losses,
         blocks={names[p]: int(st["layout"][0, 3]) for p, st in opt.state.items()},
+        cross={names[p]: st["v_cross"].numel() for p, st in opt.state.items()},
         codebook=next(iter(opt.state.values()))["codebook"].tolist(),
         params={n: p.detach().clone() for n, p in model.named_parameters()},
     )
@@ -53,7 +55,12 @@ def run(steps: int, bits: int, ref: dict, split: bool) -> dict:
     params = full_params(model)
     rep = opt.memory_report()
     return dict(
-        memory=dict(state_bytes=rep["state_bytes"], adamw_bytes=rep["adamw_bytes"]),
+        memory=dict(
+            state_bytes=rep["state_bytes"],
+            adamw_bytes=rep["adamw_bytes"],
+            v_cross={n: opt.state[p]["v_cross"].numel() for n, p in named.items()},
+            spread_v_cross=rep["spread_v_cross"],
+        ),
         losses=losses,
         codebooks=codebooks(opt),
         blocks=blocks,
