@@ -11,9 +11,18 @@ v per element of the piece. Hence the looser loss bound than tests/test_fsdp.py'
 a 2-core x86-64 CPU, torch 2.13.0+cpu, gloo):
 
 - losses against single process, 5 steps: measured 9.4e-4 relative at most (1-D FSDP2 over the
-  same 4 ranks: 1.5e-4); bound TP_LOSS_TOL = 3e-3;
+  same 4 ranks: 1.5e-4); bound TP_LOSS_TOL = 3e-3; the sequence-parallel plan ("sp": norms
+  SequenceParallel, the residual stream Shard(1), o/down RowwiseParallel(output_layouts=
+  Shard(1))): 9.43e-4, within 1.2e-7 of "split"; first step 1.2e-7 (bound FIRST_TOL);
 - codebook against single process (the gradients differ by the row-parallel sums' rounding):
-  measured 4.2e-5 at most; bound 2e-4;
+  measured 4.2e-5 at most ("sp" and "split": 2.1e-5); bound 2e-4;
+- "sp" first-step gradients against single process, the norms' (summed over tp)
+  included: measured 4.5e-7 relative at most; bound SP_GRAD_TOL = 1e-5. This is the check of
+  the loss division by tp: undivided, every gradient is twice the reference (drift 1.0, the
+  test fails) but the losses still follow within 9.43e-4, since Gefen's update, like Adam's,
+  does not see a uniform gradient scale; a target sliced to the wrong sequence shard fails the
+  loss, codebook, block and gradient tests. Its norm weights: (Shard(dim=0), Replicate()), the
+  other placements and the state (33600 bytes a rank) the first plan's;
 - a full state dict loaded at the same mesh, 3 resumed steps: measured 3.0e-4; bound 1.5e-3;
   loaded into one process (``checkpoint.load_optimizer``): measured 4.7e-4, the first resumed
   loss within 1.2e-7 (bound 1e-6); bound 2.5e-3;
@@ -32,7 +41,8 @@ from dist_util import read_results, resume_drift, torchrun
 STEPS, BITS, WORLD = 5, 8, 4
 TP_LOSS_TOL, CODEBOOK_TOL, FULL_RESUME_TOL, FIRST_TOL = 3e-3, 2e-4, 1.5e-3, 1e-6
 ONE_PROCESS_TOL = 2.5e-3
-MODES = ("same", "split")
+SP_GRAD_TOL = 1e-5
+MODES = ("same", "split", "sp")
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +94,34 @@ def test_pieces_are_strided_and_rowwise_and_the_group_is_the_mesh(eq):
         assert run["group"] == [0, 1, 2, 3]
 
 
-def test_each_rank_keeps_less_state_than_adamw(eq):
+def test_sequence_parallel_norms_are_replicated_on_tp_and_sharded_on_dp(eq):
     for r in eq:
-        mem = r["split"]["memory"]
+        run = r["sp"]
+        pl, segs = run["placements"], run["segments"]
+        # SequenceParallel() makes the norm weights Replicate on tp, fully_shard Shard(0) on dp
+        assert pl["attn_norm.weight"] == pl["mlp_norm.weight"] == "(Shard(dim=0), Replicate())"
+        strided = "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+        assert pl["attn.q.weight"] == pl["mlp.up.weight"] == strided
+        assert pl["attn.o.weight"] == pl["mlp.down.weight"] == "(Shard(dim=0), Shard(dim=1))"
+        assert segs["attn_norm.weight"] == segs["mlp_norm.weight"] == 1
+        assert segs["attn.o.weight"] == segs["mlp.down.weight"] == 64 // 2
+        assert run["group"] == [0, 1, 2, 3]
+
+
+def test_sequence_parallel_gradients_are_the_single_process_ones(eq):
+    # each tp rank's loss covers half the sequence: divided by tp, the tp-summed gradients
+    # (the norms' included) are the reference ones; undivided they are twice them (drift 1.0),
+    # which the losses would not show (Gefen's update does not see a uniform gradient scale)
+    for r in eq:
+        drift = r["sp"]["grad_drift"]
+        assert set(drift) == set(eq[0]["ref"]["blocks"])
+        assert max(drift.values()) <= SP_GRAD_TOL, drift
+
+
+@pytest.mark.parametrize("mode", ("split", "sp"))
+def test_each_rank_keeps_less_state_than_adamw(eq, mode):
+    for r in eq:
+        mem = r[mode]["memory"]
         assert 0 < mem["state_bytes"] < mem["adamw_bytes"], mem
 
 

@@ -1,7 +1,10 @@
 """FSDP2 with tensor parallelism on 4 ranks as a (dp=2, tp=2) mesh against single-process Gefen.
 
 argv: OUT STEPS BITS [CKDIR]. Runs: "same", every rank on the whole batch (the gradient is the
-reference one up to the rounding of the row-parallel sums); "split", each dp rank on its half.
+reference one up to the rounding of the row-parallel sums); "split", each dp rank on its half;
+"sp", the sequence-parallel plan (tp_common.parallelize(sequence_parallel=True)), each dp rank
+on its half and each tp rank on its half of the sequence, its loss divided by tp; its record
+adds "grad_drift", per tensor the first step's max |grad - reference| over max |reference|.
 Writes rank{r}.json with, per run, the loss per step, codebooks, block sizes per tensor, this
 rank's placements and segment count per tensor, its state bytes beside AdamW's and its v_cross
 entries per tensor,
@@ -30,7 +33,8 @@ from gefen_dist import Gefen
 def reference(steps: int, bits: int) -> dict:
     model = build()
     opt = gefen(list(model.named_parameters()), bits)
-    losses = train(model, opt, 0, steps, None, False)
+    grads: dict = {}
+    losses = train(model, opt, 0, steps, None, False, grads=grads)
     names = {p: n for n, p in model.named_parameters()}
     return dict(
         losses=losses,
@@ -38,14 +42,16 @@ def reference(steps: int, bits: int) -> dict:
         cross={names[p]: st["v_cross"].numel() for p, st in opt.state.items()},
         codebook=next(iter(opt.state.values()))["codebook"].tolist(),
         params={n: p.detach().clone() for n, p in model.named_parameters()},
+        grads=grads,
     )
 
 
-def run(steps: int, bits: int, ref: dict, split: bool) -> dict:
+def run(steps: int, bits: int, ref: dict, split: bool, sp: bool = False) -> dict:
     mesh = mesh2d()
-    model = parallelize(build(), mesh)
+    model = parallelize(build(), mesh, sequence_parallel=sp)
     opt = gefen(model.parameters(), bits)
-    losses = train(model, opt, 0, steps, mesh, split)
+    grads: dict | None = {} if sp else None
+    losses = train(model, opt, 0, steps, mesh, split, sp, grads)
     named = dict(model.named_parameters())
     blocks, segments = {}, {}
     for n, p in named.items():
@@ -54,7 +60,7 @@ def run(steps: int, bits: int, ref: dict, split: bool) -> dict:
         segments[n] = len(rows)
     params = full_params(model)
     rep = opt.memory_report()
-    return dict(
+    result = dict(
         memory=dict(
             state_bytes=rep["state_bytes"],
             adamw_bytes=rep["adamw_bytes"],
@@ -69,6 +75,14 @@ def run(steps: int, bits: int, ref: dict, split: bool) -> dict:
         param_drift={n: (params[n] - ref["params"][n]).abs().max().item() for n in params},
         group=dist.get_process_group_ranks(opt._group),
     )
+    if grads is not None:
+        result["grad_drift"] = grad_drift(grads, ref["grads"])
+    return result
+
+
+def grad_drift(grads: dict, ref: dict) -> dict[str, float]:
+    """Per tensor, max |grad - reference grad| over max |reference grad| at the first step."""
+    return {n: ((g - ref[n]).abs().max() / ref[n].abs().max()).item() for n, g in grads.items()}
 
 
 def refused(name: str, make) -> str:
@@ -98,9 +112,10 @@ def main() -> None:
     init()
     ref = reference(steps, bits)
     result: dict = dict(
-        ref={k: v for k, v in ref.items() if k != "params"},
+        ref={k: v for k, v in ref.items() if k not in ("params", "grads")},
         same=run(steps, bits, ref, False),
         split=run(steps, bits, ref, True),
+        sp=run(steps, bits, ref, True, sp=True),
         errors=errors(),
     )
     if len(sys.argv) > 4:
