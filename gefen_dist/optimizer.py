@@ -413,14 +413,16 @@ class Gefen(Optimizer):
             )
 
     def _prepared(self, p: torch.Tensor, st: dict) -> tuple:
-        """Codebook, its midpoints, the per-segment views of ``st`` and each segment's
-        ``_spread_name``, computed once per state
+        """Codebook, its midpoints, the views of ``st`` the update steps (``state.step_views``)
+        and each one's ``_spread_name``, computed once per state
         (a load or a re-initialisation brings new tensors, hence new ones)."""
         hit = self._views.get(p)
         if hit is None or hit[0] is not st["codes"] or hit[1] is not st["codebook"]:
             levels = st["codebook"]
             spread = [self._spread_name(s) for s in self._segments_for(p)]
-            hit = (st["codes"], levels, midpoints(levels), state.segment_views(st), spread)
+            steps = state.step_views(st)
+            views = [(offset, view) for offset, _, view in steps]
+            hit = (st["codes"], levels, midpoints(levels), views, [spread[k] for _, k, _ in steps])
             self._views[p] = hit
         return hit[1:]
 

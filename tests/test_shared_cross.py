@@ -157,3 +157,124 @@ def test_the_memory_report_counts_one_copy():
     rep = opt.memory_report()
     nb = ROWS  # one v and one absmax per row block, one byte per two codes, one v_cross
     assert rep["state_bytes"] == 8 * nb + math.ceil(ROWS * WIDTH / 2) + 4 * WIDTH
+
+
+# -- rows of a column-blocked tensor's piece share their columns' v and absmax -----------------
+P, C0, C = 64, 16, 32  # each row's columns [16, 48) of 64: a RowwiseParallel piece
+
+
+def _column_rows(name: str = "w") -> list[Segment]:
+    return [Segment(r * C, C, r * P + C0, (ROWS, P), name) for r in range(ROWS)]
+
+
+def test_rows_of_a_column_piece_keep_one_v_and_absmax_per_column():
+    st = state.allocate(_column_rows(), [-P] * ROWS, _levels(4), torch.device("cpu"))
+    assert st["v"].numel() == st["absmax"].numel() == C  # a copy per row would be ROWS * C
+    assert st["v_cross"].numel() == ROWS
+    views = state.segment_views(st)
+    assert {v.v.data_ptr() for _, v in views} == {st["v"].data_ptr()}
+    ((offset, first, whole),) = state.step_views(st)  # one piece of R rows x C columns
+    assert (offset, first, whole.start, whole.numel, whole.block_size) == (0, 0, 0, ROWS * C, -C)
+    # a gap in the rows, or another tensor, starts a run of its own
+    segs = _column_rows()
+    segs[5] = Segment(5 * C, C, 6 * P + C0, (ROWS, P), "w")
+    owners = state.block_owners(
+        state.allocate(segs, [-P] * ROWS, _levels(4), "cpu")["layout"].tolist(), 4
+    )
+    assert owners == [0] * 5 + [5] + [6] * (ROWS - 6)
+
+
+def check_column_rows(bits: int, backend: str) -> None:
+    """The rows stepped as one R x C piece: the update of an R x C tensor with column blocks,
+    from its own elements (no process group), as the spec states it."""
+    n = ROWS * C
+    p0 = torch.randn(n, generator=_gen(3))
+    p = p0.clone().requires_grad_()
+    opt = _opt(p, bits, backend, _column_rows())
+    levels = _levels(bits)
+    opt.state[p] = state.allocate(_column_rows(), [-P] * ROWS, levels, p.device)
+    scale = torch.linspace(0.2, 2.0, ROWS).repeat_interleave(C)  # rows differ: the factor
+    grads = [torch.randn(n, generator=_gen(20 + t)) * scale for t in range(5)]
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    want = spec.gefen(p0, grads, 1e-2, (0.9, 0.999), 1e-8, 0.1, -C, levels, 0, n)
+    torch.testing.assert_close(p.detach(), want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_rows_of_a_column_piece_step_as_one_piece(bits, backend):
+    check_column_rows(bits, backend)
+
+
+def test_rows_of_a_column_piece_step_as_one_piece_on_triton():
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    code = (
+        "import test_shared_cross as t; t.check_column_rows(8, 'triton'); "
+        "t.check_column_rows(4, 'triton')"
+    )
+    path = os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+
+
+def test_a_column_piece_re_cut_from_the_whole_tensor_shares_the_mean_v_and_max_absmax():
+    """A one-process state (one v and absmax per column over all rows) restored into row
+    pieces: the run's v is the mean of its rows' restored v, absmax the max, the codes
+    requantised to it; at the same layout the round trip is exact."""
+    from gefen_dist.method import portable
+
+    torch.manual_seed(0)
+    whole = torch.randn(ROWS * P).requires_grad_()
+    solo = Gefen([whole], lr=1e-2, bits=8)
+    solo.backend = "native"
+    solo.set_segments(whole, [Segment(0, ROWS * P, 0, (ROWS, P), "w")])
+    solo.state[whole] = state.allocate(
+        [Segment(0, ROWS * P, 0, (ROWS, P), "w")], [-P], _levels(8), whole.device
+    )
+    for t in range(3):
+        whole.grad = torch.randn(ROWS * P, generator=_gen(t))
+        solo.step()
+    saved = portable.merge(portable.export(solo.state[whole], solo._segments_for(whole)))
+    got = portable.install(saved, _column_rows(), torch.device("cpu"))
+    full = solo.state[whole]
+    torch.testing.assert_close(got["v"], full["v"][C0 : C0 + C])  # every row: the column's v
+    assert torch.equal(got["absmax"], full["absmax"][C0 : C0 + C])
+    again = portable.install(
+        portable.merge(portable.export(got, _column_rows())), _column_rows(), torch.device("cpu")
+    )
+    for k in ("codes", "absmax", "v", "v_cross"):
+        assert torch.equal(again[k], got[k]), k
+
+
+def test_runs_saved_apart_merge_into_one_by_mean_v_and_max_absmax():
+    """Rows saved as two runs (two dp ranks' rows, each with its own column v and absmax)
+    restored as one: v the mean, absmax the max, and each row's m as it was, up to the
+    requantisation of the rows whose absmax was lower (half a level spacing at most)."""
+    from gefen_dist.method import portable
+
+    half = ROWS // 2
+    segs = _column_rows()
+    parts, ms = [], []
+    g = _gen(5)
+    for lo in (0, half):
+        mine = [Segment(s.offset - lo * C, s.numel, s.start, s.shape, s.name) for s in segs[lo:]]
+        mine = mine[:half]
+        st = state.allocate(mine, [-P] * half, _levels(8), torch.device("cpu"))
+        st["v"].copy_(torch.rand(C, generator=g))
+        st["absmax"].copy_(torch.rand(C, generator=g) + 0.5)
+        st["codes"].copy_(torch.randint(0, 256, (half * C,), generator=g).to(torch.uint8))
+        levels = st["codebook"]
+        ms.append(levels[st["codes"].long()].view(half, C) * st["absmax"])
+        parts += portable.export(st, mine)
+        kept = st
+    got = portable.install(portable.merge(parts), segs, torch.device("cpu"))
+    vs = [p.v for p in portable.merge(parts)["w"].pieces]
+    torch.testing.assert_close(got["v"], (vs[0] + vs[-1]) / 2)
+    amax = torch.maximum(*(p.absmax for p in portable.merge(parts)["w"].pieces[::half]))
+    assert torch.equal(got["absmax"], amax)
+    m = kept["codebook"][got["codes"].long()].view(ROWS, C) * got["absmax"]
+    spacing = (kept["codebook"][1:] - kept["codebook"][:-1]).max() * amax
+    assert ((m - torch.cat(ms)).abs() <= spacing / 2 + 1e-6).all()

@@ -9,7 +9,10 @@ the concatenation of its segments' pieces in segment order:
   shared by every state of that width on a device (``Gefen._shared_codebook``)
 - ``codes``   uint8: m codes of segments with B > 1, each segment from a byte boundary, two per
   byte at 4 bits
-- ``absmax``, ``v`` fp32, one per block of segments with B > 1 (blocks cut at segment ends)
+- ``absmax``, ``v`` fp32, one per block of segments with B > 1 (blocks cut at segment ends),
+  but where segments are the rows of a piece of a column-blocked tensor (a RowwiseParallel
+  shard: some columns of every row, one segment per row): those rows share their columns' v and
+  absmax, as the piece's rows would in one segment (``block_owners``)
 - ``v_cross`` fp32, the second moment's factor across the blocks of the segment's tensor, all
   ``cross_length`` entries of it (``reference``, the factor): one copy per buffer of each
   tensor, on every rank that holds a piece of it. A segment whose tensor an earlier segment of
@@ -73,27 +76,87 @@ def cross_column(segments: list[Segment], block_sizes: list[int]) -> list[int]:
     return out
 
 
+def block_owners(rows: list[list[int]], bits: int) -> list[int]:
+    """For each layout row (offset, numel, start, block, v_cross entries), the segment whose
+    block v and absmax it uses: its own, or the first of a run of row pieces of one
+    column-blocked tensor (same columns of consecutive rows, one after the other in the buffer,
+    one v_cross, codes on whole bytes). A column block holds a column of the tensor, and the
+    run holds the same columns of its rows: one v and absmax per column serve them all, as for
+    the rows of an FSDP shard, where one per row piece would keep more state than AdamW."""
+    out: list[int] = []
+    for k, (off, n, start, bs, nx) in enumerate(rows):
+        out.append(k)
+        if k == 0 or bs >= 0 or nx >= 0 or n == 0 or (n * bits) % 8:
+            continue
+        poff, pn, pstart, pbs, pnx = rows[k - 1]
+        width = -bs
+        same_cross = -nx - 1 == (k - 1 if pnx > 0 else -pnx - 1)
+        if (
+            pbs == bs
+            and pn == n
+            and start == pstart + width
+            and off == poff + n
+            and start % width + n <= width
+            and same_cross
+        ):
+            out[k] = out[k - 1]
+    return out
+
+
+def step_views(state: dict[str, torch.Tensor]) -> list[tuple[int, int, SegmentState]]:
+    """(buffer offset, first segment, views) for what the update steps as one segment: each
+    segment, but a run of row pieces sharing their blocks (``block_owners``) as one piece of a
+    tensor of their width (R rows of C columns, at its row r0: start r0 * C, blocks -C), which
+    their contiguous memory is: per column one v and absmax, per row the tensor's v_cross."""
+    views = segment_views(state)
+    rows = state["layout"].tolist()
+    owners = block_owners(rows, bits_of(state["codebook"]))
+    out: list[tuple[int, int, SegmentState]] = []
+    k = 0
+    while k < len(views):
+        end = k + 1
+        while end < len(views) and owners[end] == k:
+            end += 1
+        offset, st = views[k]
+        if end - k > 1:
+            width, n = -rows[k][3], rows[k][1]
+            count = (end - k) * n
+            nc = code_bytes(n, bits_of(state["codebook"]))
+            at = st.codes.data_ptr() - state["codes"].data_ptr()
+            st = SegmentState(
+                rows[k][2] // width * n,
+                count,
+                -n,
+                codes=state["codes"][at : at + (end - k) * nc],
+                absmax=st.absmax,
+                v=st.v,
+                v_cross=st.v_cross,
+            )
+        out.append((offset, k, st))
+        k = end
+    return out
+
+
 def allocate(
     segments: list[Segment], block_sizes: list[int], codebook: torch.Tensor, device: torch.device
 ) -> dict[str, torch.Tensor]:
     bits = bits_of(codebook)
     n_codes = n_blocks = n_dense = 0
     cross = cross_column(segments, block_sizes)
-    for seg, bs in zip(segments, block_sizes, strict=True):
+    rows = [
+        [s.offset, s.numel, s.start, bs, nx]
+        for s, bs, nx in zip(segments, block_sizes, cross, strict=True)
+    ]
+    owners = block_owners(rows, bits)
+    for k, (seg, bs) in enumerate(zip(segments, block_sizes, strict=True)):
         if bs == 1:
             n_dense += seg.numel
         else:
             n_codes += code_bytes(seg.numel, bits)
-            n_blocks += num_blocks(seg.start, seg.numel, bs)
+            if owners[k] == k:
+                n_blocks += num_blocks(seg.start, seg.numel, bs)
     f32 = dict(dtype=torch.float32, device=device)
-    layout = torch.tensor(
-        [
-            [s.offset, s.numel, s.start, bs, nx]
-            for s, bs, nx in zip(segments, block_sizes, cross, strict=True)
-        ],
-        dtype=torch.int64,
-        device="cpu",
-    ).view(-1, LAYOUT_COLS)
+    layout = torch.tensor(rows, dtype=torch.int64, device="cpu").view(-1, LAYOUT_COLS)
     n_cross = sum(n for n in cross if n > 0)
     return {
         "step": torch.tensor(0.0, dtype=torch.float32, device="cpu"),
@@ -113,7 +176,9 @@ def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentStat
     bits = bits_of(state["codebook"])
     out = []
     c = b = x = d = 0
-    for offset, numel, start, bs, nx in state["layout"].tolist():
+    rows = state["layout"].tolist()
+    owners = block_owners(rows, bits)
+    for k, (offset, numel, start, bs, nx) in enumerate(rows):
         if bs == 1:
             st = SegmentState(
                 start,
@@ -136,6 +201,9 @@ def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentStat
             )
             if nx < 0:  # the copy of an earlier segment of the same tensor
                 st.v_cross = out[-nx - 1][1].v_cross
+            if owners[k] != k:  # a row of a run: the first row's column blocks
+                st.absmax, st.v = out[owners[k]][1].absmax, out[owners[k]][1].v
+                nb = 0
             c, b, x = c + nc, b + nb, x + max(nx, 0)
         out.append((offset, st))
     return out
