@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 def memory_report(opt: Gefen) -> dict[str, Any]:
     """State bytes per parameter tensor and in total, next to what AdamW would keep.
     ``spread_v_cross``: v_cross entries this rank keeps for tensors spread over ranks, by
-    tensor; each rank holding a piece keeps a copy (4 bytes an entry), the one state that
-    sharding duplicates. ``backend``: which update ran; ``cpu_isa``: with native-cpu, the
+    tensor; each rank holding pieces of one keeps one copy (4 bytes an entry), the one state
+    that sharding duplicates. ``backend``: which update ran; ``cpu_isa``: with native-cpu, the
     vector path its build compiled ('avx512vbmi', 'avx512', 'avx2' or 'scalar')."""
     rows = []
     spread: dict[str, int] = {}
@@ -28,7 +28,7 @@ def memory_report(opt: Gefen) -> dict[str, Any]:
         if st:
             layout = st["layout"].tolist()
             for seg, r in zip(opt._segments_for(p), layout, strict=True):
-                if opt._spread_name(seg) and r[4]:
+                if opt._spread_name(seg) and r[4] > 0:
                     spread[seg.name] = spread.get(seg.name, 0) + r[4]
             fallback = sum(r[1] for r in layout if r[3] == 1)
             rows.append(

@@ -413,14 +413,16 @@ class Gefen(Optimizer):
             )
 
     def _prepared(self, p: torch.Tensor, st: dict) -> tuple:
-        """Codebook, its midpoints, the per-segment views of ``st`` and each segment's
-        ``_spread_name``, computed once per state
+        """Codebook, its midpoints, the views of ``st`` the update steps (``state.step_views``)
+        and each one's ``_spread_name``, computed once per state
         (a load or a re-initialisation brings new tensors, hence new ones)."""
         hit = self._views.get(p)
         if hit is None or hit[0] is not st["codes"] or hit[1] is not st["codebook"]:
             levels = st["codebook"]
             spread = [self._spread_name(s) for s in self._segments_for(p)]
-            hit = (st["codes"], levels, midpoints(levels), state.segment_views(st), spread)
+            steps = state.step_views(st)
+            views = [(offset, view) for offset, _, view in steps]
+            hit = (st["codes"], levels, midpoints(levels), views, [spread[k] for _, k, _ in steps])
             self._views[p] = hit
         return hit[1:]
 
@@ -451,6 +453,15 @@ class Gefen(Optimizer):
             if name is not None and (buf is None or name not in slots):
                 raise RuntimeError(f"tensor {name!r} is spread over ranks but has no cross slot")
             factored.append(i)
+        # pieces of one tensor in one buffer share one v_cross (state.cross_column): it is
+        # folded once, by the first of them, from all their sums
+        holder: dict[tuple, int] = {}
+        owner = {
+            i: holder.setdefault((items[i][3].v_cross.device, items[i][3].v_cross.data_ptr()), i)
+            for i in factored
+        }
+        sharing = Counter(owner.values())
+        alone = {i for i in factored if items[i][8] is None and sharing[owner[i]] == 1}
         # a tensor held whole on the C++ kernel: the step's own call gives its factor and takes
         # its sums in the update (native_cpu.step); the rest in one C++ call for all (sums, v
         # folded, whole tensors' factors)
@@ -458,10 +469,10 @@ class Gefen(Optimizer):
             i
             for i in factored
             if items[i][0] == "cpu"
-            and not (items[i][8] is None and native_cpu.fuses(items[i][3], items[i][2]))
+            and not (i in alone and native_cpu.fuses(items[i][3], items[i][2]))
         ]
         cross = native_cpu.cross_table(
-            [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on_cpu]
+            [(items[i][2], items[i][3], items[i][4], i in alone) for i in on_cpu]
         )
         cpu_sums = dict(zip(on_cpu, cross.results, strict=True))
         # the same on each GPU (triton_backend.cross_table); a spread tensor's only piece here
@@ -470,7 +481,7 @@ class Gefen(Optimizer):
         pieces = Counter(items[i][8] for i in factored)
         for device in {items[i][2].device for i in factored if items[i][0] == "triton"}:
             on = [i for i in factored if items[i][0] == "triton" and items[i][2].device == device]
-            work = [(items[i][2], items[i][3], items[i][4], items[i][8] is None) for i in on]
+            work = [(items[i][2], items[i][3], items[i][4], i in alone) for i in on]
             dest: list = [None] * len(on)
             for k, i in enumerate(on):
                 name = items[i][8]
@@ -480,6 +491,7 @@ class Gefen(Optimizer):
                     direct.add(i)
             gpu_sums.update(zip(on, triton_backend.cross_table(work, dest).views, strict=True))
         spread = []
+        local: dict[int, list[torch.Tensor]] = {}  # owner -> sums, counts of pieces held only here
         for i in factored:
             impl, _, g, seg, h, _, _, _, name = items[i]
             length = seg.v_cross.numel()
@@ -489,41 +501,50 @@ class Gefen(Optimizer):
                 sums, counts, f = cpu_sums[i]
                 if seg.block_size > 1:
                     v_done.add(i)
-                if name is None:
-                    out[i] = f
-                    continue
             elif impl == "triton":
                 sums, counts, f = gpu_sums[i]
-                if name is None:
-                    out[i] = f
-                    continue
             else:
                 sums, counts = cross_sums(g, seg.start, seg.block_size, length)
-                if name is None:
-                    out[i] = _factor(impl, seg, h, sums, counts)
-                    continue
+                f = _factor(impl, seg, h, sums, counts) if i in alone else None
+            if i in alone:
+                out[i] = f
+                continue
+            if name is None:
+                acc = local.get(owner[i])
+                if acc is None:
+                    local[owner[i]] = [sums.double().clone(), counts.double().clone()]
+                else:
+                    acc[0] += sums.to(acc[0].device)
+                    acc[1] += counts.to(acc[1].device)
+                continue
             at, n = slots[name]
             if i not in direct:
                 buf[at : at + n] += sums.to(buf.device)
                 buf[total + at : total + at + n] += counts.to(buf.device)
             spread.append((i, at, n))
+        ready = list(local.items())
         if buf is not None:
             dist.all_reduce(buf, group=self._group)
-            on_gpu = {}  # device -> [(i, seg, h, sums, counts)]: one launch per device
-            for i, at, n in spread:
-                impl, seg, h = items[i][0], items[i][3], items[i][4]
-                sums, counts = (
-                    x.to(seg.v_cross.device)
-                    for x in (buf[at : at + n], buf[total + at : total + at + n])
-                )
-                if impl == "triton":
-                    on_gpu.setdefault(seg.v_cross.device, []).append((i, seg, h, sums, counts))
-                else:
-                    out[i] = _factor(impl, seg, h, sums, counts)
-            for work in on_gpu.values():
-                made = triton_backend.factors([w[1:] for w in work])
-                for (i, *_), f in zip(work, made, strict=True):
-                    out[i] = f
+            firsts = {owner[i]: (at, n) for i, at, n in spread}
+            ready += [
+                (o, [buf[at : at + n], buf[total + at : total + at + n]])
+                for o, (at, n) in firsts.items()
+            ]
+        made: dict[int, torch.Tensor] = {}
+        on_gpu = {}  # device -> [(i, seg, h, sums, counts)]: one launch per device
+        for o, (sums, counts) in ready:
+            impl, seg, h = items[o][0], items[o][3], items[o][4]
+            sums, counts = (x.to(seg.v_cross.device).contiguous() for x in (sums, counts))
+            if impl == "triton":
+                on_gpu.setdefault(seg.v_cross.device, []).append((o, seg, h, sums, counts))
+            else:
+                made[o] = _factor(impl, seg, h, sums, counts)
+        for work in on_gpu.values():
+            for (o, *_), f in zip(work, triton_backend.factors([w[1:] for w in work]), strict=True):
+                made[o] = f
+        for i in factored:
+            if owner[i] in made:
+                out[i] = made[owner[i]]
         return out, v_done, cross, on_cpu
 
     def _cross_table(self) -> dict[str, tuple[int, int]]:
@@ -537,7 +558,7 @@ class Gefen(Optimizer):
                 if not st:
                     continue
                 for seg, row in zip(self._segments_for(p), st["layout"].tolist(), strict=True):
-                    if self._spread_name(seg) and row[4]:
+                    if self._spread_name(seg) and row[4] > 0:  # < 0: an earlier piece's copy
                         local[seg.name] = row[4]
             self._cross_slots = collectives.agree_cross_slots(self._group, local)
         return self._cross_slots

@@ -190,6 +190,8 @@ MEMORY = textwrap.dedent(
     p = torch.zeros(rows, cols, requires_grad=True)
     p.grad = torch.exp(torch.randn(rows, 1, generator=g)) * torch.randn(rows, cols, generator=g)
     opt = Gefen([p], bits=4)
+    from gefen_dist.method import codebook as cb    # numba's JIT and LLVM load once per process
+    cb.learn_codebook(cb.histogram(torch.randn(1000, generator=g)), 4)
     peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     base = peak()
     opt.step()
@@ -230,14 +232,17 @@ def test_a_loaded_state_shares_one_codebook_and_keeps_a_foreign_one(tmp_path):
 
 def test_a_step_allocates_no_parameter_sized_temporaries(tmp_path):
     """Peak RSS over the first two steps (partition, codebook, updates) minus the state itself
-    stays far below the 128 MiB a single fp32 temporary of this parameter would take."""
+    stays below what any parameter-sized temporary would take (32 MiB at one byte per element,
+    128 MiB in fp32). The codebook's numba code is loaded first: loading it takes about 44 MiB
+    once per process (measured on a 2-core x86-64 CPU), which is no temporary of the step; the
+    step itself then takes about 4.2 MiB beyond its state there."""
     script = tmp_path / "mem.py"
     script.write_text(MEMORY)
     out = subprocess.run([sys.executable, str(script)], check=True, capture_output=True, text=True)
     block, state_bytes, extra = map(int, out.stdout.split())
     assert block == 8192
     assert state_bytes == 4096 * 8192 // 2 + 8 * 4096 + 4 * 8192  # codes, v and absmax, v_cross
-    assert extra < 48 * 2**20, f"step allocated {extra / 2**20:.1f} MiB beyond its state"
+    assert extra < 16 * 2**20, f"step allocated {extra / 2**20:.1f} MiB beyond its state"
 
 
 def _without_v_cross(sd):

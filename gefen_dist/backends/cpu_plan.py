@@ -40,7 +40,7 @@ class CpuPlan(KeptPlan):
 
     @staticmethod
     def eligible(opt: Gefen, items: list[tuple]) -> bool:
-        """Every item on the C++ kernel, none spread over ranks, no DTensor, no maximize."""
+        """``KeptPlan.fits`` on the C++ kernel."""
         return KeptPlan.fits(opt, items, "cpu")
 
     def run(self, opt: Gefen) -> bool:

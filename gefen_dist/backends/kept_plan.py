@@ -71,10 +71,12 @@ class KeptPlan:
 
     @staticmethod
     def fits(opt: Gefen, items: list[tuple], impl: str) -> bool:
-        """Every item on backend ``impl``, none spread over ranks, no DTensor, no maximize."""
+        """Every item on backend ``impl``, none spread over ranks or sharing its v_cross with
+        another piece (``state.cross_column``), no DTensor, no maximize."""
         return (
             bool(items)
             and all(it[0] == impl and it[8] is None for it in items)
+            and all(bool((st["layout"][:, 4] >= 0).all()) for st in opt.state.values() if st)
             and not any(g["maximize"] for g in opt.param_groups)
             and not any(sharding.is_dtensor(p) for g in opt.param_groups for p in g["params"])
         )

@@ -36,7 +36,14 @@ import torch
 
 from .codes import midpoints, quantize, read_codes, write_codes
 from .segments import Segment, num_blocks
-from .state import allocate, bits_of, check_loaded, cross_length, segment_views
+from .state import (
+    allocate,
+    bits_of,
+    block_owners,
+    check_loaded,
+    cross_length,
+    segment_views,
+)
 
 CHUNK = 1 << 20
 """Elements restored at a time: the per-element gathers take ~40 bytes each."""
@@ -257,7 +264,9 @@ def install(
     st = allocate(segments, block_sizes, first.codebook, device)
     bits = bits_of(first.codebook)
     st["step"] = torch.tensor(first.step, dtype=torch.float32)
-    for (_, view), seg in zip(segment_views(st), segments, strict=True):
+    owners = block_owners(st["layout"].tolist(), bits)
+    runs: dict[int, list] = {}  # first row of a run sharing blocks -> (view, restored) per row
+    for k, ((_, view), seg) in enumerate(zip(segment_views(st), segments, strict=True)):
         if not (seg.name and seg.numel):
             continue
         ts = _need(tensors, seg)
@@ -268,11 +277,25 @@ def install(
             view.exp_avg.copy_(got["exp_avg"])
             view.exp_avg_sq.copy_(got["exp_avg_sq"])
             continue
-        write_codes(view.codes, 0, seg.numel, got["codes"].to(device), bits)
-        view.absmax.copy_(got["absmax"])
-        view.v.copy_(got["v"])
         if view.v_cross is not None:
             view.v_cross.copy_(ts.v_cross)
+        runs.setdefault(owners[k], []).append((view, got, seg.numel))
+    levels = first.codebook.float()
+    for rows in runs.values():
+        # rows sharing their columns' v and absmax: v the mean over the rows (one element of
+        # each column per row, so the element-weighted mean), absmax the max, codes requantised
+        # where a row's own absmax was lower (as ``restore`` merges pieces)
+        amax = torch.stack([got["absmax"] for _, got, _ in rows]).amax(dim=0)
+        v = torch.stack([got["v"].double() for _, got, _ in rows]).mean(dim=0).float()
+        for view, got, n in rows:
+            codes = got["codes"]
+            if len(rows) > 1 and not torch.equal(got["absmax"], amax):
+                m = levels[codes.long()] * got["absmax"]
+                safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+                codes = quantize(m / safe, midpoints(levels)).to(torch.uint8)
+            write_codes(view.codes, 0, n, codes.to(device), bits)
+        rows[0][0].absmax.copy_(amax)
+        rows[0][0].v.copy_(v)
     return st
 
 

@@ -9,10 +9,15 @@ the concatenation of its segments' pieces in segment order:
   shared by every state of that width on a device (``Gefen._shared_codebook``)
 - ``codes``   uint8: m codes of segments with B > 1, each segment from a byte boundary, two per
   byte at 4 bits
-- ``absmax``, ``v`` fp32, one per block of segments with B > 1 (blocks cut at segment ends)
+- ``absmax``, ``v`` fp32, one per block of segments with B > 1 (blocks cut at segment ends),
+  but where segments are the rows of a piece of a column-blocked tensor (a RowwiseParallel
+  shard: some columns of every row, one segment per row): those rows share their columns' v and
+  absmax, as the piece's rows would in one segment (``block_owners``)
 - ``v_cross`` fp32, the second moment's factor across the blocks of the segment's tensor, all
-  ``cross_length`` entries of it (a copy per piece where the tensor is spread over
-  ranks; ``reference``, the factor)
+  ``cross_length`` entries of it (``reference``, the factor): one copy per buffer of each
+  tensor, on every rank that holds a piece of it. A segment whose tensor an earlier segment of
+  the buffer already holds (a row of a tensor-parallel shard: ``sharding``) keeps none of its
+  own: its layout row says -(k + 1) entries, k the segment whose copy it uses
 - ``exp_avg``, ``exp_avg_sq`` bf16, one per element of segments with B = 1 (AdamW's m and v,
   rounded stochastically: ``reference.dense_update``)
 - ``step``    fp32 scalar, as AdamW
@@ -52,27 +57,107 @@ def bits_of(codebook: torch.Tensor) -> int:
     return {16: 4, 256: 8}.get(codebook.numel(), 0)
 
 
+def cross_column(segments: list[Segment], block_sizes: list[int]) -> list[int]:
+    """The layout's v_cross column: each segment's entries, or -(k + 1) where segment k of the
+    same buffer holds a piece of the same tensor (same name, shape and block size) and with it
+    the copy both use. The factor is the tensor's, so pieces of one tensor in one buffer need
+    one copy: a row-sharded tensor-parallel weight is a segment per row, and a copy per row
+    would cost more than AdamW's state."""
+    first: dict[tuple, int] = {}
+    out = []
+    for k, (seg, bs) in enumerate(zip(segments, block_sizes, strict=True)):
+        n = _cross_entries(seg, bs)
+        key = (seg.name, tuple(seg.shape), bs)
+        if n and seg.name:
+            have = first.setdefault(key, k)
+            if have != k:
+                n = -(have + 1)
+        out.append(n)
+    return out
+
+
+def block_owners(rows: list[list[int]], bits: int) -> list[int]:
+    """For each layout row (offset, numel, start, block, v_cross entries), the segment whose
+    block v and absmax it uses: its own, or the first of a run of row pieces of one
+    column-blocked tensor (same columns of consecutive rows, one after the other in the buffer,
+    one v_cross, codes on whole bytes). A column block holds a column of the tensor, and the
+    run holds the same columns of its rows: one v and absmax per column serve them all, as for
+    the rows of an FSDP shard, where one per row piece would keep more state than AdamW."""
+    out: list[int] = []
+    for k, (off, n, start, bs, nx) in enumerate(rows):
+        out.append(k)
+        if k == 0 or bs >= 0 or nx >= 0 or n == 0 or (n * bits) % 8:
+            continue
+        poff, pn, pstart, pbs, pnx = rows[k - 1]
+        width = -bs
+        same_cross = -nx - 1 == (k - 1 if pnx > 0 else -pnx - 1)
+        if (
+            pbs == bs
+            and pn == n
+            and start == pstart + width
+            and off == poff + n
+            and start % width + n <= width
+            and same_cross
+        ):
+            out[k] = out[k - 1]
+    return out
+
+
+def step_views(state: dict[str, torch.Tensor]) -> list[tuple[int, int, SegmentState]]:
+    """(buffer offset, first segment, views) for what the update steps as one segment: each
+    segment, but a run of row pieces sharing their blocks (``block_owners``) as one piece of a
+    tensor of their width (R rows of C columns, at its row r0: start r0 * C, blocks -C), which
+    their contiguous memory is: per column one v and absmax, per row the tensor's v_cross."""
+    views = segment_views(state)
+    rows = state["layout"].tolist()
+    owners = block_owners(rows, bits_of(state["codebook"]))
+    out: list[tuple[int, int, SegmentState]] = []
+    k = 0
+    while k < len(views):
+        end = k + 1
+        while end < len(views) and owners[end] == k:
+            end += 1
+        offset, st = views[k]
+        if end - k > 1:
+            width, n = -rows[k][3], rows[k][1]
+            count = (end - k) * n
+            nc = code_bytes(n, bits_of(state["codebook"]))
+            at = st.codes.data_ptr() - state["codes"].data_ptr()
+            st = SegmentState(
+                rows[k][2] // width * n,
+                count,
+                -n,
+                codes=state["codes"][at : at + (end - k) * nc],
+                absmax=st.absmax,
+                v=st.v,
+                v_cross=st.v_cross,
+            )
+        out.append((offset, k, st))
+        k = end
+    return out
+
+
 def allocate(
     segments: list[Segment], block_sizes: list[int], codebook: torch.Tensor, device: torch.device
 ) -> dict[str, torch.Tensor]:
     bits = bits_of(codebook)
-    n_codes = n_blocks = n_cross = n_dense = 0
-    for seg, bs in zip(segments, block_sizes, strict=True):
+    n_codes = n_blocks = n_dense = 0
+    cross = cross_column(segments, block_sizes)
+    rows = [
+        [s.offset, s.numel, s.start, bs, nx]
+        for s, bs, nx in zip(segments, block_sizes, cross, strict=True)
+    ]
+    owners = block_owners(rows, bits)
+    for k, (seg, bs) in enumerate(zip(segments, block_sizes, strict=True)):
         if bs == 1:
             n_dense += seg.numel
         else:
             n_codes += code_bytes(seg.numel, bits)
-            n_blocks += num_blocks(seg.start, seg.numel, bs)
-            n_cross += _cross_entries(seg, bs)
+            if owners[k] == k:
+                n_blocks += num_blocks(seg.start, seg.numel, bs)
     f32 = dict(dtype=torch.float32, device=device)
-    layout = torch.tensor(
-        [
-            [s.offset, s.numel, s.start, bs, _cross_entries(s, bs)]
-            for s, bs in zip(segments, block_sizes, strict=True)
-        ],
-        dtype=torch.int64,
-        device="cpu",
-    ).view(-1, LAYOUT_COLS)
+    layout = torch.tensor(rows, dtype=torch.int64, device="cpu").view(-1, LAYOUT_COLS)
+    n_cross = sum(n for n in cross if n > 0)
     return {
         "step": torch.tensor(0.0, dtype=torch.float32, device="cpu"),
         "layout": layout,
@@ -91,7 +176,9 @@ def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentStat
     bits = bits_of(state["codebook"])
     out = []
     c = b = x = d = 0
-    for offset, numel, start, bs, nx in state["layout"].tolist():
+    rows = state["layout"].tolist()
+    owners = block_owners(rows, bits)
+    for k, (offset, numel, start, bs, nx) in enumerate(rows):
         if bs == 1:
             st = SegmentState(
                 start,
@@ -110,9 +197,14 @@ def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentStat
                 codes=state["codes"][c : c + nc],
                 absmax=state["absmax"][b : b + nb],
                 v=state["v"][b : b + nb],
-                v_cross=state["v_cross"][x : x + nx] if nx else None,
+                v_cross=state["v_cross"][x : x + nx] if nx > 0 else None,
             )
-            c, b, x = c + nc, b + nb, x + nx
+            if nx < 0:  # the copy of an earlier segment of the same tensor
+                st.v_cross = out[-nx - 1][1].v_cross
+            if owners[k] != k:  # a row of a run: the first row's column blocks
+                st.absmax, st.v = out[owners[k]][1].absmax, out[owners[k]][1].v
+                nb = 0
+            c, b, x = c + nc, b + nb, x + max(nx, 0)
         out.append((offset, st))
     return out
 
@@ -125,7 +217,9 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 def upgrade(state: dict, segments: list[Segment]) -> dict:
     """A state saved by an earlier version, in today's format. Before ``v_cross`` existed (a
     4-column layout): given its column of v_cross entries and zeros for them; the factor is a
-    ratio, so it is exact again after one step (``reference``). Before B = 1 state was bf16:
+    ratio, so it is exact again after one step (``reference``). Before pieces of one tensor
+    shared one copy (``cross_column``): the first piece's copy kept, the others dropped (every
+    step wrote the same values into each). Before B = 1 state was bf16:
     fp32 ``exp_avg``/``exp_avg_sq`` rounded to the nearest bf16 once. A tensor saved as a
     strided view (torch.save keeps strides) is copied contiguous: the kernels read state as flat
     memory. Anything that does not fit is left for ``check_loaded`` to name, and nothing is
@@ -138,22 +232,51 @@ def upgrade(state: dict, segments: list[Segment]) -> dict:
     for k in ("exp_avg", "exp_avg_sq"):
         if _dense(state.get(k)) and state[k].dtype == torch.float32:
             state[k] = state[k].to(DENSE_DTYPE)
-    layout, v = state.get("layout"), state.get("v")
-    if "v_cross" in state or not _dense(layout) or not _dense(v):
+    layout = state.get("layout")
+    if "v_cross" not in state and _rows(layout, 4, segments) and _dense(state.get("v")):
+        rows = layout.tolist()
+        entries = [_cross_entries(s, int(r[3])) for s, r in zip(segments, rows, strict=True)]
+        state = {
+            **state,
+            "layout": torch.cat(
+                [layout, torch.tensor(entries, dtype=layout.dtype, device=layout.device)[:, None]],
+                dim=1,
+            ),
+            "v_cross": torch.zeros(sum(entries), dtype=torch.float32, device=state["v"].device),
+        }
+    return _one_copy(state, segments)
+
+
+def _rows(layout: object, cols: int, segments: list[Segment]) -> bool:
+    return (
+        _dense(layout)
+        and layout.dtype == torch.int64
+        and layout.dim() == 2
+        and layout.shape == (len(segments), cols)
+    )
+
+
+def _one_copy(state: dict, segments: list[Segment]) -> dict:
+    """``state`` with one v_cross copy per tensor where it holds one per piece (``upgrade``);
+    as it is where its layout is anything else (``check_loaded`` names what is wrong)."""
+    layout, vx = state.get("layout"), state.get("v_cross")
+    if not _rows(layout, LAYOUT_COLS, segments) or not _dense(vx):
         return state
-    if layout.dtype != torch.int64 or layout.dim() != 2 or layout.shape[1] != 4:
+    rows = layout.tolist()
+    want = cross_column(segments, [int(r[3]) for r in rows])
+    saved = [int(r[4]) for r in rows]
+    if saved == want or sum(saved) != vx.numel():
         return state
-    if layout.shape[0] != len(segments):
-        return state
-    entries = [_cross_entries(s, int(r[3])) for s, r in zip(segments, layout.tolist(), strict=True)]
-    return {
-        **state,
-        "layout": torch.cat(
-            [layout, torch.tensor(entries, dtype=layout.dtype, device=layout.device)[:, None]],
-            dim=1,
-        ),
-        "v_cross": torch.zeros(sum(entries), dtype=torch.float32, device=v.device),
-    }
+    keep, at = [], 0
+    for n, w in zip(saved, want, strict=True):
+        if n != (w if w >= 0 else saved[-w - 1]):
+            return state
+        if w > 0:
+            keep.append(vx[at : at + n])
+        at += n
+    new = layout.clone()
+    new[:, 4] = torch.tensor(want, dtype=layout.dtype)
+    return {**state, "layout": new, "v_cross": torch.cat(keep) if keep else vx[:0].clone()}
 
 
 def _dense(t: object) -> bool:

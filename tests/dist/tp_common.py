@@ -6,6 +6,18 @@ The block: RMSNorm, attention (q/k/v ColwiseParallel, o RowwiseParallel), RMSNor
 Replicate DTensors, activations whole on every tp rank), then every module is fully_shard'ed over
 dp: the q/k/v/gate/up weights become (_StridedShard(0), Shard(0)), the o/down weights
 (Shard(0), Shard(1)) (some columns of every row on each rank), the norms (Shard(0), Replicate()).
+
+``parallelize(..., sequence_parallel=True)``: the torchtitan-style plan. The residual stream is
+sharded on the sequence (Shard(1)) between the sublayers: ``SequenceParallel()`` on the norms,
+``PrepareModuleInput(Shard(1) -> Replicate())`` on attn and mlp (an all-gather of the sequence
+before q/k/v and gate/up), ``RowwiseParallel(output_layouts=Shard(1))`` on o and down (a
+reduce-scatter back to the sequence shard). The block's input and target are this tp rank's
+``seq_shard``, so its loss is a mean over half the sequence; ``train(..., sp=True)`` divides it
+by tp before backward. The tp collectives' backward sums the tp ranks' gradients, and the norms'
+Replicate weights, whose gradients each tp rank computes from its sequence shard only, come out
+summed over tp too: with the division every first-step gradient, the norms' included, is the
+single-process one within 4.5e-7 relative (measured, tp_train.py's "grad_drift"), without it
+exactly twice. Then the same fully_shard over dp, giving the same placements as the first plan.
 """
 
 from __future__ import annotations
@@ -17,10 +29,12 @@ import torch.nn.functional as F
 from fsdp_common import BATCH, global_loss
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -94,23 +108,42 @@ def _local_out(_mod, out, _mesh):
     return out.to_local()
 
 
-def parallelize(model: Llama, mesh: DeviceMesh) -> Llama:
+def parallelize(model: Llama, mesh: DeviceMesh, sequence_parallel: bool = False) -> Llama:
+    """TP on mesh["tp"], then FSDP2 on mesh["dp"]. ``sequence_parallel``: the torchtitan-style
+    plan, the residual stream Shard(1) between the sublayers (feed it ``seq_shard`` inputs)."""
     tp = mesh["tp"]
-    parallelize_module(
-        model,
-        tp,
-        {
+    if sequence_parallel:
+        seq = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan = {
+            "attn_norm": SequenceParallel(),
+            "attn": seq,
             "attn.q": ColwiseParallel(),
             "attn.k": ColwiseParallel(),
             "attn.v": ColwiseParallel(),
-            "attn.o": RowwiseParallel(),
+            "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(),
+            "mlp": seq,
             "mlp.gate": ColwiseParallel(),
             "mlp.up": ColwiseParallel(),
-            "mlp.down": RowwiseParallel(),
-        },
-    )
-    for norm in (model.attn_norm, model.mlp_norm):
-        distribute_module(norm, tp, input_fn=_replicate_in, output_fn=_local_out)
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(model, tp, plan)
+    else:
+        parallelize_module(
+            model,
+            tp,
+            {
+                "attn.q": ColwiseParallel(),
+                "attn.k": ColwiseParallel(),
+                "attn.v": ColwiseParallel(),
+                "attn.o": RowwiseParallel(),
+                "mlp.gate": ColwiseParallel(),
+                "mlp.up": ColwiseParallel(),
+                "mlp.down": RowwiseParallel(),
+            },
+        )
+        for norm in (model.attn_norm, model.mlp_norm):
+            distribute_module(norm, tp, input_fn=_replicate_in, output_fn=_local_out)
     for m in (model.attn, model.mlp, model):
         fully_shard(m, mesh=mesh["dp"])
     return model
@@ -123,20 +156,51 @@ def dp_rows(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return t[r * k : (r + 1) * k]
 
 
-def train(model, opt, first: int, steps: int, mesh: DeviceMesh | None, split: bool) -> list:
+def seq_shard(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This tp rank's slice of the sequence (dim 1), the residual stream's Shard(1) piece."""
+    n, r = mesh["tp"].size(), mesh["tp"].get_local_rank()
+    k = t.shape[1] // n
+    return t[:, r * k : (r + 1) * k]
+
+
+def train(
+    model,
+    opt,
+    first: int,
+    steps: int,
+    mesh: DeviceMesh | None,
+    split: bool,
+    sp: bool = False,
+    grads: dict | None = None,
+) -> list:
     """Steps ``first .. first + steps``: the mean loss over ranks per step (one process when
-    ``mesh`` is None); ``split``: each dp rank on its rows of the batch."""
+    ``mesh`` is None); ``split``: each dp rank on its rows of the batch; ``sp`` (the
+    ``sequence_parallel`` plan): each tp rank on its ``seq_shard`` of those rows, backward
+    through its loss over 1/tp of the sequence divided by tp (the tp ranks' gradients come out
+    summed, the norms' included), the recorded loss undivided
+    (its mean over ranks is the whole batch's). ``grads``: filled with the first step's whole
+    gradients (``grad_of``), before the optimizer step."""
     losses = []
     for s in range(first, first + steps):
         opt.zero_grad()
         x, y = batch(s)
         if split and mesh is not None:
             x, y = dp_rows(x, mesh), dp_rows(y, mesh)
+        if sp:
+            x, y = seq_shard(x, mesh), seq_shard(y, mesh)
         loss = model(x, y)[1]
-        loss.backward()
+        (loss / mesh["tp"].size() if sp else loss).backward()
+        if grads is not None and s == first:
+            grads.update({n: grad_of(p) for n, p in model.named_parameters()})
         opt.step()
         losses.append(loss.item() if mesh is None else global_loss(loss))
     return losses
+
+
+def grad_of(p: nn.Parameter) -> torch.Tensor:
+    """A parameter's whole gradient (a collective on every rank for a DTensor one)."""
+    g = p.grad
+    return (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:

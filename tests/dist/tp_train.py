@@ -1,9 +1,13 @@
 """FSDP2 with tensor parallelism on 4 ranks as a (dp=2, tp=2) mesh against single-process Gefen.
 
 argv: OUT STEPS BITS [CKDIR]. Runs: "same", every rank on the whole batch (the gradient is the
-reference one up to the rounding of the row-parallel sums); "split", each dp rank on its half.
+reference one up to the rounding of the row-parallel sums); "split", each dp rank on its half;
+"sp", the sequence-parallel plan (tp_common.parallelize(sequence_parallel=True)), each dp rank
+on its half and each tp rank on its half of the sequence, its loss divided by tp; its record
+adds "grad_drift", per tensor the first step's max |grad - reference| over max |reference|.
 Writes rank{r}.json with, per run, the loss per step, codebooks, block sizes per tensor, this
-rank's placements and segment count per tensor, its state bytes beside AdamW's,
+rank's placements and segment count per tensor, its state bytes beside AdamW's and its v_cross
+entries per tensor,
 max |param - reference| and the optimizer's group; the reference; and the errors that
 still-refused layouts raise. With CKDIR, also tp_checkpoint.py's save (its result under
 "ckpt"), to spare the test a launch.
@@ -29,21 +33,26 @@ from gefen_dist import Gefen
 def reference(steps: int, bits: int) -> dict:
     model = build()
     opt = gefen(list(model.named_parameters()), bits)
-    losses = train(model, opt, 0, steps, None, False)
+    grads: dict = {}
+    losses = train(model, opt, 0, steps, None, False, grads=grads)
     names = {p: n for n, p in model.named_parameters()}
     return dict(
         losses=losses,
         blocks={names[p]: int(st["layout"][0, 3]) for p, st in opt.state.items()},
+        cross={names[p]: st["v_cross"].numel() for p, st in opt.state.items()},
+        v={names[p]: st["v"].numel() for p, st in opt.state.items()},
         codebook=next(iter(opt.state.values()))["codebook"].tolist(),
         params={n: p.detach().clone() for n, p in model.named_parameters()},
+        grads=grads,
     )
 
 
-def run(steps: int, bits: int, ref: dict, split: bool) -> dict:
+def run(steps: int, bits: int, ref: dict, split: bool, sp: bool = False) -> dict:
     mesh = mesh2d()
-    model = parallelize(build(), mesh)
+    model = parallelize(build(), mesh, sequence_parallel=sp)
     opt = gefen(model.parameters(), bits)
-    losses = train(model, opt, 0, steps, mesh, split)
+    grads: dict | None = {} if sp else None
+    losses = train(model, opt, 0, steps, mesh, split, sp, grads)
     named = dict(model.named_parameters())
     blocks, segments = {}, {}
     for n, p in named.items():
@@ -52,8 +61,14 @@ def run(steps: int, bits: int, ref: dict, split: bool) -> dict:
         segments[n] = len(rows)
     params = full_params(model)
     rep = opt.memory_report()
-    return dict(
-        memory=dict(state_bytes=rep["state_bytes"], adamw_bytes=rep["adamw_bytes"]),
+    result = dict(
+        memory=dict(
+            state_bytes=rep["state_bytes"],
+            adamw_bytes=rep["adamw_bytes"],
+            v_cross={n: opt.state[p]["v_cross"].numel() for n, p in named.items()},
+            v={n: opt.state[p]["v"].numel() for n, p in named.items()},
+            spread_v_cross=rep["spread_v_cross"],
+        ),
         losses=losses,
         codebooks=codebooks(opt),
         blocks=blocks,
@@ -62,6 +77,14 @@ def run(steps: int, bits: int, ref: dict, split: bool) -> dict:
         param_drift={n: (params[n] - ref["params"][n]).abs().max().item() for n in params},
         group=dist.get_process_group_ranks(opt._group),
     )
+    if grads is not None:
+        result["grad_drift"] = grad_drift(grads, ref["grads"])
+    return result
+
+
+def grad_drift(grads: dict, ref: dict) -> dict[str, float]:
+    """Per tensor, max |grad - reference grad| over max |reference grad| at the first step."""
+    return {n: ((g - ref[n]).abs().max() / ref[n].abs().max()).item() for n, g in grads.items()}
 
 
 def refused(name: str, make) -> str:
@@ -91,9 +114,10 @@ def main() -> None:
     init()
     ref = reference(steps, bits)
     result: dict = dict(
-        ref={k: v for k, v in ref.items() if k != "params"},
+        ref={k: v for k, v in ref.items() if k not in ("params", "grads")},
         same=run(steps, bits, ref, False),
         split=run(steps, bits, ref, True),
+        sp=run(steps, bits, ref, True, sp=True),
         errors=errors(),
     )
     if len(sys.argv) > 4:
