@@ -62,8 +62,10 @@ def main() -> None:
         done = {json.loads(line)["key"] for line in Path(args.out).read_text().splitlines()}
     for seed in range(args.seeds):
         key = "|".join(
-            map(str, (args.task, args.optimizer, seed, "", 1.0, args.lr_factor, "as-built",
-                      label, src))
+            map(
+                str,
+                (args.task, args.optimizer, seed, "", 1.0, args.lr_factor, "as-built", label, src),
+            )
         )
         if key in done:
             continue
@@ -71,9 +73,19 @@ def main() -> None:
         cmd += [str(args.lr_factor), args.no_factor]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         rec = json.loads(out.strip().splitlines()[-1])
-        row = dict(key=key, task=args.task, optimizer=args.optimizer, seed=seed, config="",
-                   scale=1.0, lr_factor=args.lr_factor, rounding="as-built",
-                   second_moment=label, src=src, **rec)
+        row = dict(
+            key=key,
+            task=args.task,
+            optimizer=args.optimizer,
+            seed=seed,
+            config="",
+            scale=1.0,
+            lr_factor=args.lr_factor,
+            rounding="as-built",
+            second_moment=label,
+            src=src,
+            **rec,
+        )
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(seed, rec["final"]["val_loss"], flush=True)

@@ -65,9 +65,7 @@ def main() -> None:
         vs_built = [
             100 * math.log(v[s] / built[s]["final"]["val_loss"]) for s in seeds if s in built
         ]
-        acc = [
-            100 * (runs[s]["final"]["val_acc"] - base[s]["final"]["val_acc"]) for s in seeds
-        ]
+        acc = [100 * (runs[s]["final"]["val_acc"] - base[s]["final"]["val_acc"]) for s in seeds]
         cells = [
             key[0],
             key[1] or "as built",

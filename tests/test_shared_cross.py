@@ -72,9 +72,14 @@ def test_rows_as_segments_step_as_the_whole_tensor(bits, backend):
 def test_rows_as_segments_step_as_the_whole_tensor_on_triton():
     """The same through the Triton kernels, on CPU tensors under Triton's interpreter (set
     before triton is imported, hence a process of its own)."""
+    _on_triton("check_rows")
+
+
+def _on_triton(check: str) -> None:
+    """``check(bits, 'triton')`` at both widths in a process whose triton is interpreted."""
     pytest.importorskip("triton")
     here = Path(__file__).resolve().parent
-    code = "import test_shared_cross as t; t.check_rows(8, 'triton'); t.check_rows(4, 'triton')"
+    code = f"import test_shared_cross as t; t.{check}(8, 'triton'); t.{check}(4, 'triton')"
     path = os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
@@ -209,15 +214,7 @@ def test_rows_of_a_column_piece_step_as_one_piece(bits, backend):
 
 
 def test_rows_of_a_column_piece_step_as_one_piece_on_triton():
-    pytest.importorskip("triton")
-    here = Path(__file__).resolve().parent
-    code = (
-        "import test_shared_cross as t; t.check_column_rows(8, 'triton'); "
-        "t.check_column_rows(4, 'triton')"
-    )
-    path = os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+    _on_triton("check_column_rows")
 
 
 def test_a_column_piece_re_cut_from_the_whole_tensor_shares_the_mean_v_and_max_absmax():

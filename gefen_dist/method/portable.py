@@ -242,10 +242,17 @@ def restore(ts: TensorState, start: int, numel: int) -> dict[str, torch.Tensor]:
         moved = (saved_amax[lo:hi] != scale).nonzero().view(-1)
         if moved.numel():
             c = codes[lo:hi]
-            m = levels[c[moved].long()] * saved_amax[lo:hi][moved]
-            safe = torch.where(scale[moved] > 0, scale[moved], torch.ones_like(scale[moved]))
-            c[moved] = quantize(m / safe, mids).to(torch.uint8)
+            c[moved] = _rescale(c[moved], saved_amax[lo:hi][moved], scale[moved], levels, mids)
     return dict(codes=codes, absmax=amax, v=v)
+
+
+def _rescale(
+    codes: torch.Tensor, old: torch.Tensor, new: torch.Tensor, levels: torch.Tensor, mids
+) -> torch.Tensor:
+    """Codes of m = level x ``old`` (per element) at the scale ``new``, to the nearest level:
+    where a merged block's absmax is above a piece's own."""
+    safe = torch.where(new > 0, new, torch.ones_like(new))
+    return quantize(levels[codes.long()] * old / safe, mids).to(torch.uint8)
 
 
 def install(
@@ -281,6 +288,7 @@ def install(
             view.v_cross.copy_(ts.v_cross)
         runs.setdefault(owners[k], []).append((view, got, seg.numel))
     levels = first.codebook.float()
+    mids = midpoints(levels)
     for rows in runs.values():
         # rows sharing their columns' v and absmax: v the mean over the rows (one element of
         # each column per row, so the element-weighted mean), absmax the max, codes requantised
@@ -290,9 +298,7 @@ def install(
         for view, got, n in rows:
             codes = got["codes"]
             if len(rows) > 1 and not torch.equal(got["absmax"], amax):
-                m = levels[codes.long()] * got["absmax"]
-                safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-                codes = quantize(m / safe, midpoints(levels)).to(torch.uint8)
+                codes = _rescale(codes, got["absmax"], amax, levels, mids)
             write_codes(view.codes, 0, n, codes.to(device), bits)
         rows[0][0].absmax.copy_(amax)
         rows[0][0].v.copy_(v)

@@ -110,7 +110,8 @@ def step_views(state: dict[str, torch.Tensor]) -> list[tuple[int, int, SegmentSt
     their contiguous memory is: per column one v and absmax, per row the tensor's v_cross."""
     views = segment_views(state)
     rows = state["layout"].tolist()
-    owners = block_owners(rows, bits_of(state["codebook"]))
+    bits = bits_of(state["codebook"])
+    owners = block_owners(rows, bits)
     out: list[tuple[int, int, SegmentState]] = []
     k = 0
     while k < len(views):
@@ -121,7 +122,7 @@ def step_views(state: dict[str, torch.Tensor]) -> list[tuple[int, int, SegmentSt
         if end - k > 1:
             width, n = -rows[k][3], rows[k][1]
             count = (end - k) * n
-            nc = code_bytes(n, bits_of(state["codebook"]))
+            nc = code_bytes(n, bits)
             at = st.codes.data_ptr() - state["codes"].data_ptr()
             st = SegmentState(
                 rows[k][2] // width * n,

@@ -112,36 +112,17 @@ def parallelize(model: Llama, mesh: DeviceMesh, sequence_parallel: bool = False)
     """TP on mesh["tp"], then FSDP2 on mesh["dp"]. ``sequence_parallel``: the torchtitan-style
     plan, the residual stream Shard(1) between the sublayers (feed it ``seq_shard`` inputs)."""
     tp = mesh["tp"]
+    out = dict(output_layouts=Shard(1)) if sequence_parallel else {}
+    plan = {n: ColwiseParallel() for n in ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up")}
+    plan |= {n: RowwiseParallel(**out) for n in ("attn.o", "mlp.down")}
     if sequence_parallel:
-        seq = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan = {
-            "attn_norm": SequenceParallel(),
-            "attn": seq,
-            "attn.q": ColwiseParallel(),
-            "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(),
-            "attn.o": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp_norm": SequenceParallel(),
-            "mlp": seq,
-            "mlp.gate": ColwiseParallel(),
-            "mlp.up": ColwiseParallel(),
-            "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
-        }
-        parallelize_module(model, tp, plan)
-    else:
-        parallelize_module(
-            model,
-            tp,
-            {
-                "attn.q": ColwiseParallel(),
-                "attn.k": ColwiseParallel(),
-                "attn.v": ColwiseParallel(),
-                "attn.o": RowwiseParallel(),
-                "mlp.gate": ColwiseParallel(),
-                "mlp.up": ColwiseParallel(),
-                "mlp.down": RowwiseParallel(),
-            },
-        )
+        for norm, sub in (("attn_norm", "attn"), ("mlp_norm", "mlp")):
+            plan[norm] = SequenceParallel()
+            plan[sub] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+    parallelize_module(model, tp, plan)
+    if not sequence_parallel:
         for norm in (model.attn_norm, model.mlp_norm):
             distribute_module(norm, tp, input_fn=_replicate_in, output_fn=_local_out)
     for m in (model.attn, model.mlp, model):
