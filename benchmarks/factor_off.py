@@ -14,9 +14,6 @@ that no other parameter of the model has that size.
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,48 +44,21 @@ def main() -> None:
         task, optimizer, seed, lr_factor, pats = sys.argv[2:7]
         _child(task, optimizer, int(seed), float(lr_factor), pats.split(","))
         return
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--task", default="mlp")
-    ap.add_argument("--optimizer", default="gefen4")
-    ap.add_argument("--lr-factor", type=float, default=1.0)
-    ap.add_argument("--seeds", type=int, default=3)
+    ap = sa.labelled_parser(__doc__)
     ap.add_argument("--no-factor", required=True, help="comma-separated name patterns")
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
     label = f"no factor: {args.no_factor}"
-    src = sa.source_hash()
-    done = set()
-    if Path(args.out).exists():
-        done = {json.loads(line)["key"] for line in Path(args.out).read_text().splitlines()}
-    for seed in range(args.seeds):
-        key = "|".join(
-            map(
-                str,
-                (args.task, args.optimizer, seed, "", 1.0, args.lr_factor, "as-built", label, src),
-            )
-        )
-        if key in done:
-            continue
-        cmd = [sys.executable, __file__, "--child", args.task, args.optimizer, str(seed)]
-        cmd += [str(args.lr_factor), args.no_factor]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        rec = json.loads(out.strip().splitlines()[-1])
-        row = dict(
-            key=key,
-            task=args.task,
-            optimizer=args.optimizer,
-            seed=seed,
-            config="",
-            scale=1.0,
-            lr_factor=args.lr_factor,
-            rounding="as-built",
-            second_moment=label,
-            src=src,
-            **rec,
-        )
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(seed, rec["final"]["val_loss"], flush=True)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    sa.labelled_runs(
+        __file__,
+        args.task,
+        args.optimizer,
+        args.lr_factor,
+        seeds,
+        label,
+        args.out,
+        [args.no_factor],
+    )
 
 
 if __name__ == "__main__":

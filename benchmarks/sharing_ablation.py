@@ -185,6 +185,51 @@ def _run(task, optimizer, seed, config, scale, rounding, v, lr_factor, cache, ou
     return rec
 
 
+def labelled_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every ``labelled_runs`` diagnostic takes; each adds its own."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--task", default="mlp")
+    ap.add_argument("--optimizer", default="gefen4")
+    ap.add_argument("--lr-factor", type=float, default=1.0)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    return ap
+
+
+def labelled_runs(
+    script: str,
+    task: str,
+    optimizer: str,
+    lr_factor: float,
+    seeds: range,
+    label: str,
+    out: str,
+    extra: list[str],
+) -> None:
+    """Run ``script --child TASK OPTIMIZER SEED LR_FACTOR *extra`` (which prints a record body
+    as ``_child`` does) for each seed not yet in ``out``, appending its record with
+    ``second_moment`` = ``label``: how a diagnostic of its own (``factor_off.py``,
+    ``resolution_floor.py``) writes runs that ``paired_table.py`` pairs with AdamW's."""
+    src = source_hash()
+    done = set()
+    if Path(out).exists():
+        done = {json.loads(line)["key"] for line in Path(out).read_text().splitlines()}
+    for seed in seeds:
+        fields = (task, optimizer, seed, "", 1.0, lr_factor, "as-built", label, src)
+        key = "|".join(map(str, fields))
+        if key in done:
+            continue
+        cmd = [sys.executable, script, "--child", task, optimizer, str(seed), str(lr_factor)]
+        proc = subprocess.run(cmd + extra, capture_output=True, text=True, check=True).stdout
+        rec = json.loads(proc.strip().splitlines()[-1])
+        row = dict(key=key, task=task, optimizer=optimizer, seed=seed, config="", scale=1.0)
+        row.update(lr_factor=lr_factor, rounding="as-built", second_moment=label, src=src)
+        with open(out, "a") as f:
+            f.write(json.dumps(dict(row, **rec)) + "\n")
+        print(seed, rec["final"]["val_loss"], flush=True)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         task, optimizer, seed, config, scale, rounding, v, lr_factor = sys.argv[2:10]
