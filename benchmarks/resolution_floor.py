@@ -18,7 +18,7 @@ floor (the control: the reference's rounding of the last bit is not the C++ kern
 Records go to the JSONL of ``sharing_ablation.py``, ``second_moment`` = the variant, so
 ``benchmarks/paired_table.py`` pairs them with AdamW (run ``sharing_ablation.py --optimizer
 gefen4`` at the same lr factor into the same file first: it trains AdamW's seeds too). Measured:
-``results/mlp_4bit_x10.md``.
+``results/mlp_x10_40_seeds.md``.
 """
 
 from __future__ import annotations

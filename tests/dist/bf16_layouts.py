@@ -17,6 +17,7 @@ same run with nearest rounding (the option must reach the sharded path).
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -130,3 +131,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py

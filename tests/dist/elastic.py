@@ -14,6 +14,7 @@ steps SAVE_AT .. STEPS.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -75,3 +76,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py

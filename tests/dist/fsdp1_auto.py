@@ -25,6 +25,7 @@ Writes OUT/rank{r}.json.
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -196,3 +197,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py

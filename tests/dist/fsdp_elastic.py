@@ -21,6 +21,7 @@ input, whose errors are kept by case: another model, and a checkpoint lacking a 
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -208,3 +209,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py

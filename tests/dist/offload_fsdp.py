@@ -11,6 +11,7 @@ step the same numbers, so they must agree bit for bit: parameters, losses and st
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -53,3 +54,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
