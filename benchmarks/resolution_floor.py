@@ -2,8 +2,8 @@
 amplified where a position's factor is small, cost the MLP its val loss at high lr?
 
 A stored m is off by up to the level gap around it times its block's absmax, an error an exact m
-does not have; the step divides it by sqrt(v_b c_j), so where c_j is small (an MNIST border
-pixel's column) it can move the weight many times further than AdamW's ~lr. ``--variant floor``
+does not have; the step divides it by sqrt(v_b c_j), so where c_j is small (a digit image's
+border pixel) it can move the weight many times further than AdamW's ~lr. ``--variant floor``
 runs Gefen through the reference update with each element's denominator at least
 
     s0 * absmax_b / (1 - b1^t)      s0: the widest gap between the levels on either side of 0
@@ -51,7 +51,8 @@ def _floored() -> None:
         g32 = g.float()
         absmax, v = st.absmax[blocks], st.v[blocks]
         floor = absmax * (_zero_gap(levels) / (1.0 - h.beta1**h.step))
-        m = ref.levels_of(st.codes, a, b, bits, levels).view_as(g32).mul_(absmax[:, None])
+        m = levels[ref.read_codes(st.codes, a, b, bits).long()].view_as(g32)
+        m.mul_(absmax[:, None])
         m.lerp_(g32, 1.0 - h.beta1)
         v.mul_(h.beta2).add_(g32.square().mean(dim=1), alpha=1.0 - h.beta2)
         p32 = p if p.dtype == torch.float32 else p.float()
@@ -74,17 +75,12 @@ def _floored() -> None:
 
     def column(p, g, st, h, levels, mids, bits, factor=None):
         held["floor"] = st.absmax * (_zero_gap(levels) / (1.0 - h.beta1**h.step))
-        held["eps"] = h.eps
         column_update(p, g, st, h, levels, mids, bits, factor)
 
     def rows(sqrt_v, f, first, n, period, h):
         d = row_denominator(sqrt_v, f, first, n, period, h).sub_(h.eps)
         return torch.maximum(d, held["floor"][None, : sqrt_v.numel()]).add_(h.eps)
 
-    def levels_of(codes, a, b, bits, levels):
-        return levels[ref.read_codes(codes, a, b, bits).long()]
-
-    ref.levels_of = levels_of
     ref._update_blocks = _update_blocks
     ref.column_update = column
     ref._row_denominator = rows

@@ -90,7 +90,6 @@ def test_resolution_floor_only_shortens_steps(monkeypatch, blocks):
                 (optimizer, "column_update"),
             ):
                 monkeypatch.setattr(mod, name, getattr(mod, name))
-            monkeypatch.setattr(reference, "levels_of", None, raising=False)
             _script("resolution_floor")._floored()
         gen = torch.Generator().manual_seed(1)
         moved = []
