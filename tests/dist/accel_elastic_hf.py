@@ -10,7 +10,6 @@ continues from checkpoint-SAVE_AT. Writes OUT/rank{r}.json with the logged per-s
 (the Trainer's mean over processes) and Gefen's step count at the end.
 """
 
-import gc
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import gefen_dist
 from gefen_dist import Gefen
+from teardown import finish
 
 torch.set_num_threads(1)
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -99,11 +99,8 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **info, "losses": losses}))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

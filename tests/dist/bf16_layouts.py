@@ -17,7 +17,6 @@ same run with nearest rounding (the option must reach the sharded path).
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
@@ -29,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gefen_dist import Gefen
+from teardown import finish
 
 
 class Lm(nn.Module):
@@ -126,9 +126,8 @@ def main() -> None:
             backend=opt.memory_report()["backend"],
         )
     write(out, result)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

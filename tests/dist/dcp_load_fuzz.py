@@ -14,7 +14,6 @@ and what ``gefen_dist.check_gradients`` says on each rank when one rank's gradie
 
 from __future__ import annotations
 
-import gc
 import io
 import math
 import shutil
@@ -31,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import gefen_dist
 from gefen_dist.method import load_check
+from teardown import finish
 
 PARAM = "transformer.h.0.mlp.c_proj.weight"  # blocks of 256, factored: v_cross on both ranks
 DENSE = "transformer.ln_f.weight"  # B = 1: exp_avg, exp_avg_sq
@@ -236,9 +236,8 @@ def main() -> None:
         dist.barrier()
     result["check_gradients"] = gradient_check(bits)
     write(out, result)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -11,7 +11,6 @@ the uninterrupted run.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from fsdp_common import build, codebooks, gefen, init, reference, train, write
 from torch.nn.parallel import DistributedDataParallel as DDP
+from teardown import finish
 
 
 def state_digest(opt) -> str:
@@ -115,9 +115,8 @@ def main() -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     result["resume"] = resume(Path(out), 4)
     write(out, result)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -9,7 +9,6 @@ torch's own DTensor offsets are computed on the default device."""
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 import gefen_dist.integrations.fsdp
 from gefen_dist import Gefen
 from gefen_dist.demo.model import GPT
+from teardown import finish
 
 
 def run(mode: str, default: str) -> list[torch.Tensor]:
@@ -56,9 +56,8 @@ def main() -> None:
             a.device == b.device and torch.equal(a, b) for a, b in zip(want, got, strict=True)
         )
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(equal))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -6,7 +6,6 @@ installed; both must give the same blocks, state and losses. ``ds_callable.py OU
 OUT/rank{r}.json.
 """
 
-import gc
 import json
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 from gefen_dist import Gefen
 from gefen_dist.demo.model import GPT, GPTConfig
+from teardown import finish
 
 torch.set_num_threads(1)
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ds_zero1_cpu.json"
@@ -61,10 +61,8 @@ def main() -> None:
     res["first"] = run()  # the integration arrives inside this initialize
     res["again"] = run()
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -9,7 +9,6 @@ micro-batches, with one Gefen over each stage's layers (and, for comparison, one
 them). Each rank builds it itself; the model is small enough that this costs less than a launch.
 """
 
-import gc
 import json
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import gefen_dist
 import gefen_dist.integrations.deepspeed as gd
 from gefen_dist import Gefen
 from gefen_dist.demo.model import Block, GPTConfig
+from teardown import finish
 
 torch.set_num_threads(1)
 gefen_dist.register()
@@ -274,10 +274,8 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     res = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), **run(ckpt)}
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

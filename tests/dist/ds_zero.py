@@ -7,7 +7,6 @@ ranks' gradients as ZeRO does, (g0 + g1) / 2, which is exact in fp32 for 2 ranks
 gradient, and with it block sizes and codebook, is bitwise the same on both sides.
 """
 
-import gc
 import functools
 import json
 import sys
@@ -21,6 +20,7 @@ from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE
 import gefen_dist.integrations.deepspeed as gd
 from gefen_dist import Gefen
 from gefen_dist.demo.model import GPT, GPTConfig
+from teardown import finish
 
 torch.set_num_threads(1)
 
@@ -269,10 +269,8 @@ def main():
             res[name] = run_one(name, run, ref if fp32 else None, ckpt)
         res["refused"] = refusals(ckpt)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

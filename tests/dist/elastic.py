@@ -14,7 +14,6 @@ steps SAVE_AT .. STEPS.
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gefen_dist import checkpoint
+from teardown import finish
 
 
 def block_sizes(model, opt) -> dict[str, int]:
@@ -70,10 +70,8 @@ def main() -> None:
     else:
         consolidated, save_at, steps, bits, layout = rest
         resume(out, consolidated, int(save_at), int(steps), int(bits), layout)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

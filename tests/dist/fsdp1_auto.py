@@ -25,7 +25,6 @@ Writes OUT/rank{r}.json.
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 import gefen_dist.integrations.fsdp
 from gefen_dist import Gefen
 from gefen_dist.demo.model import GPT
+from teardown import finish
 
 STEPS, SAVE_AT = 6, 3
 TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
@@ -191,10 +191,8 @@ def main() -> None:
             result[f"{setup}/resume/{kind}"] = resume(setup, acc, ck, kind)
         result[f"{setup}/misuse"] = misuse(setup)
     write(out, result)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

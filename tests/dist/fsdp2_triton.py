@@ -12,7 +12,6 @@ to the triton run, the backend the memory report names and the codebooks.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsdp_common import codebooks, full_params, gefen, init, train, wrap, write
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from teardown import finish
 
 FIRST, SECOND = 3, 3
 
@@ -76,9 +76,8 @@ def main() -> None:
     )
     del model, opt
     write(out, res)
-    gc.collect()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -16,7 +16,6 @@ dcp.save / dcp.load) for FSDP2 and both FSDP1 setups.
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 import gefen_dist.integrations.fsdp
+from teardown import finish
 
 FIRST, SECOND = 3, 3
 WORLD1 = {("gpt", "full"), ("gpt", "dcp"), ("gpt", "dcp_unconfigured")}
@@ -202,9 +202,8 @@ def main() -> None:
     if mode == "resume":
         result["template_leak"] = template_leak(bits)
     write(out, result)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -21,7 +21,6 @@ input, whose errors are kept by case: another model, and a checkpoint lacking a 
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from gefen_dist import checkpoint
 from gefen_dist.demo.model import GPT, Block, GPTConfig
+from teardown import finish
 
 SETUPS = ("fsdp2", "fsdp1_flat", "fsdp1_orig")
 CASES = [  # (setup, checkpoint, how it is loaded)
@@ -203,10 +203,8 @@ def main() -> None:
     else:
         save_at, steps, bits = map(int, rest)
         resume(out, Path(ck), save_at, steps, bits)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -10,7 +10,6 @@ raise.
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
@@ -34,6 +33,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import gefen_dist.integrations.fsdp
 from gefen_dist import Gefen
+from teardown import finish
 
 
 def run(kind: str, setup: str, steps: int, bits: int, ref: dict, split: bool) -> dict:
@@ -151,9 +151,8 @@ def main() -> None:
                 result[f"{kind}/{setup}/{mode}"] = run(kind, setup, steps, bits, ref, split)
     result["errors"] = errors()
     write(out, result)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

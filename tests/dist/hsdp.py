@@ -11,7 +11,6 @@ refused layouts raise.
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
@@ -35,6 +34,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import gefen_dist.integrations.fsdp
 from gefen_dist import Gefen
+from teardown import finish
 
 RUNS = {
     "gpt": [
@@ -134,9 +134,8 @@ def main() -> None:
             result[f"{kind}/{setup}/{mode}"] = run(kind, setup, steps, bits, ref, mode == "split")
     result["errors"] = errors()
     write(out, result)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -15,7 +15,6 @@ FSDP.optim_state_dict under SHARDED_STATE_DICT (one torch.save file per rank) an
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from hsdp_common import FSDP1, wrap
 from torch.distributed.checkpoint.api import CheckpointException
 
 import gefen_dist.integrations.fsdp
+from teardown import finish
 
 FIRST, SECOND = 3, 3
 CASES = [
@@ -92,9 +92,8 @@ def main() -> None:
     if mode == "resume":
         result["other_layout"] = other_layout("gpt", ckdir / "gpt-hsdp2-dcp", bits)
     write(out, result)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

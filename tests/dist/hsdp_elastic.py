@@ -16,7 +16,6 @@ steps SAVE_AT .. STEPS.
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
@@ -31,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gefen_dist import checkpoint
+from teardown import finish
 
 SAVED = ("hsdp2", "fsdp2_world")
 
@@ -85,10 +85,8 @@ def main() -> None:
     else:
         consolidated, save_at, steps, bits, layout = rest
         resume(out, consolidated, int(save_at), int(steps), int(bits), layout)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

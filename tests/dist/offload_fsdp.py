@@ -11,7 +11,6 @@ step the same numbers, so they must agree bit for bit: parameters, losses and st
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from ddp_equivalence import state_digest
 from fsdp_common import build, gefen, init, train, write
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from teardown import finish
 
 
 def run(steps: int, offload: bool) -> dict:
@@ -49,9 +49,8 @@ def main() -> None:
     for r in (plain, off):
         del r["params"]
     write(out, dict(plain=plain, offload=off, params_equal=equal))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -6,7 +6,6 @@ OUT/rank{r}.json. The script imports deepspeed first and then only ``gefen_dist`
 loads its config from ``configs/`` (the CPU variants) so the shipped files are what is run.
 """
 
-import gc
 import json
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 import gefen_dist
 from gefen_dist.demo.model import GPT, GPTConfig
+from teardown import finish
 
 torch.set_num_threads(1)
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -97,10 +97,8 @@ def main():
     res["unknown_param"] = refused(momentum=0.9)
     res["auto_lr"] = refused(lr="auto")
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -8,7 +8,6 @@ checkpoint-3 in a second launch (Accelerate allows one DeepSpeed Accelerator per
 losses and final weights must equal the first run's. Writes OUT/rank{r}.json.
 """
 
-import gc
 import hashlib
 import json
 import os
@@ -21,6 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import gefen_dist
 from gefen_dist import Gefen
+from teardown import finish
 
 torch.set_num_threads(1)
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -97,11 +97,8 @@ def main():
     rank = int(os.environ["RANK"])
     out = {"rank": rank, **info, "losses": losses, "weights": weights}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -18,7 +18,6 @@ argv: MODE OUT CKDIR BITS.
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tp_common import build, full_params, mesh2d, parallelize, train
 
 from gefen_dist import checkpoint
+from teardown import finish
 
 FIRST, SECOND = 3, 3
 
@@ -106,9 +106,8 @@ def main() -> None:
     mode, out, ck, bits = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
     init()
     write(out, save_run(ck, bits) if mode == "save" else resume_run(ck, bits))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -15,7 +15,6 @@ still-refused layouts raise. With CKDIR, also tp_checkpoint.py's save (its resul
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from tp_checkpoint import save_run
 from tp_common import build, full_params, mesh2d, parallelize, train
 
 from gefen_dist import Gefen
+from teardown import finish
 
 
 def reference(steps: int, bits: int) -> dict:
@@ -123,9 +123,8 @@ def main() -> None:
     if len(sys.argv) > 4:
         result["ckpt"] = save_run(Path(sys.argv[4]), bits)
     write(out, result)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import gefen_dist.integrations.deepspeed as gd
 from gefen_dist import Gefen
 from gefen_dist.demo.model import GPT, GPTConfig
+from teardown import finish
 
 torch.set_num_threads(1)
 
@@ -191,10 +192,8 @@ def main() -> None:
         res.update(refuse(out, args[2], int(args[3])))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()  # gloo's group is freed while Python runs, not at exit: see launch/train.py
+    finish()
