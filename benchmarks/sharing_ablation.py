@@ -153,12 +153,36 @@ def source_hash() -> str:
     return h.hexdigest()[:12]
 
 
+RECORD_FIELDS = (
+    "task",
+    "optimizer",
+    "seed",
+    "config",
+    "scale",
+    "lr_factor",
+    "rounding",
+    "second_moment",
+    "src",
+)
+"""A record's identity, in the order its key joins them."""
+
+
+def _key(values: tuple) -> str:
+    return "|".join(map(str, values))
+
+
+def _append(out: str, values: tuple, rec: dict) -> None:
+    """One run's record (its key, ``RECORD_FIELDS`` = ``values``, the child's body) onto ``out``."""
+    row = dict(key=_key(values), **dict(zip(RECORD_FIELDS, values, strict=True)), **rec)
+    with open(out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def _run(task, optimizer, seed, config, scale, rounding, v, lr_factor, cache, out) -> dict:
     gefen = optimizer.startswith("gefen")
     rounding, v = (rounding, v) if gefen else ("as-built", "as-built")
-    key = "|".join(
-        map(str, (task, optimizer, seed, config, scale, lr_factor, rounding, v, cache["src"]))
-    )
+    values = (task, optimizer, seed, config, scale, lr_factor, rounding, v, cache["src"])
+    key = _key(values)
     if key in cache:
         return cache[key]
     cmd = [sys.executable, __file__, "--child", task, optimizer, str(seed), config, str(scale)]
@@ -166,21 +190,7 @@ def _run(task, optimizer, seed, config, scale, rounding, v, lr_factor, cache, ou
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rec = json.loads(proc.strip().splitlines()[-1])
     if out:
-        row = dict(
-            key=key,
-            task=task,
-            optimizer=optimizer,
-            seed=seed,
-            config=config,
-            scale=scale,
-            lr_factor=lr_factor,
-            rounding=rounding,
-            second_moment=v,
-            src=cache["src"],
-            **rec,
-        )
-        with open(out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        _append(out, values, rec)
     cache[key] = rec
     return rec
 
@@ -216,17 +226,13 @@ def labelled_runs(
     if Path(out).exists():
         done = {json.loads(line)["key"] for line in Path(out).read_text().splitlines()}
     for seed in seeds:
-        fields = (task, optimizer, seed, "", 1.0, lr_factor, "as-built", label, src)
-        key = "|".join(map(str, fields))
-        if key in done:
+        values = (task, optimizer, seed, "", 1.0, lr_factor, "as-built", label, src)
+        if _key(values) in done:
             continue
         cmd = [sys.executable, script, "--child", task, optimizer, str(seed), str(lr_factor)]
         proc = subprocess.run(cmd + extra, capture_output=True, text=True, check=True).stdout
         rec = json.loads(proc.strip().splitlines()[-1])
-        row = dict(key=key, task=task, optimizer=optimizer, seed=seed, config="", scale=1.0)
-        row.update(lr_factor=lr_factor, rounding="as-built", second_moment=label, src=src)
-        with open(out, "a") as f:
-            f.write(json.dumps(dict(row, **rec)) + "\n")
+        _append(out, values, rec)
         print(seed, rec["final"]["val_loss"], flush=True)
 
 
