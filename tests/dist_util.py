@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from needs import extra
+
 DIST = Path(__file__).parent / "dist"
 
 
@@ -51,6 +53,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, env=None, timeout: int = 3
 
 
 def deepspeed_run(script: str, *args: str, nproc: int = 2, env=None, timeout: int = 600):
+    extra("deepspeed")  # its launcher, not a missing command's FileNotFoundError
     cmd = [
         "deepspeed",
         f"--num_gpus={nproc}",
@@ -61,10 +64,23 @@ def deepspeed_run(script: str, *args: str, nproc: int = 2, env=None, timeout: in
     return _run(cmd, _env(env), timeout)
 
 
-def read_results(out_dir: Path) -> list[dict]:
-    """Each rank writes rank{r}.json; returns them in rank order."""
-    files = sorted(out_dir.glob("rank*.json"))
-    return [json.loads(f.read_text()) for f in files]
+def read_results(out_dir: Path, ranks: int) -> list[dict]:
+    """What each of ``ranks`` ranks wrote to ``out_dir``/rank{r}.json, in rank order. A rank that
+    died, or never wrote, fails here by number: results read from the ranks that did report
+    would pass on half (or none) of the run."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks: the number of ranks that must report, got {ranks!r}")
+    out_dir = Path(out_dir)
+    want = [out_dir / f"rank{r}.json" for r in range(ranks)]
+    missing = [f.name for f in want if not f.is_file()]
+    unexpected = sorted({f.name for f in out_dir.glob("rank*.json")} - {f.name for f in want})
+    if missing or unexpected:
+        raise AssertionError(
+            f"{out_dir}: {ranks} ranks were to report, {ranks - len(missing)} did"
+            + (f"; missing {', '.join(missing)}" if missing else "")
+            + (f"; unexpected {', '.join(unexpected)}" if unexpected else "")
+        )
+    return [json.loads(f.read_text()) for f in want]
 
 
 def duplicated_cross_bytes(memory_reports: list[dict]) -> int:

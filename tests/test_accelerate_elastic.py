@@ -25,6 +25,9 @@ from pathlib import Path
 
 import pytest
 from dist_util import read_results, resume_drift, torchrun
+from needs import extra
+
+pytestmark = pytest.mark.dist
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 STEPS, SAVE_AT = 30, 10
@@ -41,21 +44,21 @@ RESUMES = [("ddp", 1), ("ddp", 4), ("deepspeed", 1), ("deepspeed", 4)]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    pytest.importorskip("accelerate")
+    extra("accelerate")
     d = tmp_path_factory.mktemp("accel_elastic")
     saved, resumed = {}, {}
     for layout, env in LAYOUTS.items():
         if layout == "deepspeed":
-            pytest.importorskip("deepspeed")
+            extra("deepspeed")
         out, ckpt = d / f"{layout}-save", d / f"{layout}-ckpt"
         torchrun("accel_elastic.py", "save", str(out), str(ckpt), nproc=2, env=env)
-        saved[layout] = read_results(out)
+        saved[layout] = read_results(out, ranks=2)
         for lay, n in RESUMES:
             if lay != layout:
                 continue
             out = d / f"{layout}-to-{n}"
             torchrun("accel_elastic.py", "resume", str(out), str(ckpt), nproc=n, env=env)
-            resumed[(layout, n)] = read_results(out)
+            resumed[(layout, n)] = read_results(out, ranks=n)
     return saved, resumed
 
 
@@ -103,22 +106,22 @@ def trainer_runs(tmp_path_factory):
     checkpoint-10 on 1 and 4. Measured first resumed step: 0 (1 process), 9.2e-8 relative (4);
     largest drift over steps 11-30: DDP 9.2e-8 (1 and 4), ZeRO-2 9.2e-8 (2 -> 1), 1.1e-4
     (2 -> 4); the bounds are those above."""
-    pytest.importorskip("transformers")
+    extra("transformers")
     d = tmp_path_factory.mktemp("trainer_elastic")
     env = {"HF_HUB_OFFLINE": "1"}
     saved, resumed = {}, {}
     for mode in ("object", "ds"):
         if mode == "ds":
-            pytest.importorskip("deepspeed")
+            extra("deepspeed")
         out, ckpt = d / f"{mode}-train", d / f"{mode}-ckpt"
         torchrun("accel_elastic_hf.py", str(out), str(ckpt), mode, "train", nproc=2, env=env)
-        saved[mode] = read_results(out)
+        saved[mode] = read_results(out, ranks=2)
         for m, n in HF_RESUMES:
             if m == mode:
                 out = d / f"{mode}-to-{n}"
                 args = (str(out), str(ckpt), mode, "resume")
                 torchrun("accel_elastic_hf.py", *args, nproc=n, env=env)
-                resumed[(mode, n)] = read_results(out)
+                resumed[(mode, n)] = read_results(out, ranks=n)
     return saved, resumed
 
 

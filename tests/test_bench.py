@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from needs import extra
 from torch import nn
 
 from gefen_dist.bench import peers, store, suite, tasks
@@ -23,6 +24,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
 
 
 def test_state_bytes_counts_bnb_storage_and_shares_maps_once():
+    extra("bitsandbytes")
     model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=False))
     opt = peers.build("bnb_adamw8bit", model, 1e-3)
     _step(model, opt)
@@ -34,7 +36,9 @@ def test_state_bytes_counts_bnb_storage_and_shares_maps_once():
     assert peers.state_bytes(opt) == 2 * n + absmax + maps  # uint8 m and v, maps once
 
 
+@pytest.mark.slow
 def test_state_bytes_unpacks_torchao_quantised_tensors():
+    extra("torchao")
     model = nn.Sequential(nn.Linear(256, 256, bias=False))
     opt = peers.build("torchao_adamw8bit", model, 1e-3)
     _step(model, opt)

@@ -19,6 +19,7 @@ import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import io  # noqa: E402
 
+import needs  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from dist_util import read_results, torchrun  # noqa: E402
@@ -39,11 +40,9 @@ from gefen_dist.method.hyper import Hyper  # noqa: E402
 from gefen_dist.method.segments import num_blocks  # noqa: E402
 from gefen_dist.method.state import SegmentState, cross_length  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 FIELDS = ("codes", "absmax", "v", "v_cross", "exp_avg", "exp_avg_sq")
-
-
-def _triton_ok() -> bool:
-    return triton_backend.interpreting() and triton_backend.available(torch.device("cpu"))
 
 
 def _reference(p, g, st, h, levels, mids, bits):
@@ -68,13 +67,16 @@ BACKENDS = {
     "native": (_native, "native"),
     "triton": (_triton, "triton"),
 }
+BACKEND_PARAMS = [
+    pytest.param(b, marks=pytest.mark.triton) if b == "triton" else b for b in BACKENDS
+]
 
 
 def _needs(name: str) -> None:
-    if name == "native" and not native_cpu.available():
-        pytest.skip(f"no C++ kernel: {native_cpu.build_error()}")
-    if name == "triton" and not _triton_ok():
-        pytest.skip("the Triton kernels need triton under TRITON_INTERPRET=1 here")
+    if name == "native":
+        needs.cpp_kernel()
+    if name == "triton":
+        needs.triton_interpreter()
 
 
 def _levels(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +117,7 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}b-s{x[2]}-B{x[4]}")
 def test_the_write_is_round_bf16_of_the_fp32_update(backend, layout):
     """Three free steps: on a bf16 parameter, the backend's bits are round_bf16 (r = the
@@ -203,22 +205,19 @@ def _train(backend, bits, steps=3, dtype=torch.bfloat16, sr=True, start=0, opt=N
     return m, opt
 
 
+@pytest.mark.parametrize("name", ["native", pytest.param("triton", marks=pytest.mark.triton)])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_backends_agree_bit_for_bit_on_a_bf16_model(bits):
+def test_backends_agree_bit_for_bit_on_a_bf16_model(bits, name):
     """A shared-block matrix and a B = 1 bias, three steps from the same start."""
+    _needs(name)
     ref, _ = _train("reference", bits)
-    for name in ("native", "triton"):
-        if name == "native" and not native_cpu.available():
-            continue
-        if name == "triton" and not _triton_ok():
-            continue
-        m, opt = _train(name, bits)
-        assert opt.memory_report()["backend"] == {"native": "native-cpu"}.get(name, name)
-        for a, b in ((m.w, ref.w), (m.b, ref.b)):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+    m, opt = _train(name, bits)
+    assert opt.memory_report()["backend"] == {"native": "native-cpu"}.get(name, name)
+    for a, b in ((m.w, ref.w), (m.b, ref.b)):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_small_updates_move_on_average_where_nearest_never_does(backend):
     """4096 bf16 ones, constant g, no decay, lr 1e-3: each step moves the fp32 value by ~lr,
     under half the bf16 spacing below 1 (2^-9), so nearest rounding keeps every weight at 1.0
@@ -293,8 +292,7 @@ def test_resume_is_bit_exact_and_the_setting_travels_in_the_state_dict():
 def test_turning_it_off_mid_run_takes_effect_on_the_kept_tables():
     """After a step the C++ backend keeps its tables (the write's rounding among them); a change
     of the setting must rebuild them: the next step equals a fresh optimizer's."""
-    if not native_cpu.available():
-        pytest.skip(native_cpu.build_error())
+    needs.cpp_kernel()
     m, opt = _train("auto", 4, steps=3)
     assert opt._plan is not None
     sd = copy.deepcopy(opt.state_dict())  # its tensors are the optimizer's own
@@ -315,11 +313,10 @@ def test_turning_it_off_mid_run_takes_effect_on_the_kept_tables():
 def layouts(tmp_path_factory):
     out = tmp_path_factory.mktemp("bf16_layouts")
     torchrun("bf16_layouts.py", str(out), "4")
-    ranks = read_results(out)
-    assert len(ranks) == 2
-    return ranks
+    return read_results(out, ranks=2)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("setup", ["ddp", "fsdp2"])
 def test_ddp_and_fsdp2_give_the_single_process_bits(layouts, setup):
     for r in layouts:
@@ -338,17 +335,15 @@ def test_ddp_and_fsdp2_give_the_single_process_bits(layouts, setup):
 def offload(tmp_path_factory):
     out = tmp_path_factory.mktemp("offload")
     torchrun("offload_fsdp.py", str(out), "3")
-    ranks = read_results(out)
-    assert len(ranks) == 2
-    return ranks
+    return read_results(out, ranks=2)
 
 
+@pytest.mark.dist
 def test_fsdp2_cpu_offload_steps_host_shards_with_the_cpp_kernel(offload):
     """FSDP2 with CPUOffloadPolicy (tests/dist/offload_fsdp.py): every parameter a DTensor whose
     shard lives on the host, each stepped by the C++ kernel, and the run equal to the one without
     offload bit for bit (losses, parameters, optimizer state)."""
-    if not native_cpu.available():
-        pytest.skip(native_cpu.build_error())
+    needs.cpp_kernel()
     for r in offload:
         off, plain = r["offload"], r["plain"]
         assert off["dtensor"] and set(off["local_devices"].values()) == {"cpu"}

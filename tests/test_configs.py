@@ -14,6 +14,9 @@ import json
 from pathlib import Path
 
 import pytest
+from needs import extra
+
+pytestmark = pytest.mark.unit
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ROOT = CONFIGS.parent
@@ -48,7 +51,7 @@ def _fill(value, key=None):
 
 @pytest.mark.parametrize("path", JSONS, ids=lambda p: p.name)
 def test_deepspeed_json(path):
-    pytest.importorskip("deepspeed")
+    extra("deepspeed")
     import torch
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -92,7 +95,7 @@ def _launch_args(path):
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
 def test_accelerate_yaml(path, monkeypatch):
-    pytest.importorskip("accelerate")
+    extra("accelerate")
     import torch
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
@@ -101,7 +104,7 @@ def test_accelerate_yaml(path, monkeypatch):
     args, defaults, _ = _launch_args(path)
     assert args.num_processes == 2
     if args.use_deepspeed:
-        pytest.importorskip("deepspeed")
+        extra("deepspeed")
         args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
         _, env = prepare_deepspeed_cmd_env(args)
     else:
@@ -126,8 +129,8 @@ def test_accelerate_yaml(path, monkeypatch):
 
 def test_a_typo_fails(tmp_path):
     """The checks above can fail: a misspelt key in each kind of file is refused."""
-    pytest.importorskip("deepspeed")
-    pytest.importorskip("accelerate")
+    extra("deepspeed")
+    extra("accelerate")
     from deepspeed.runtime.config import DeepSpeedConfig
 
     bad = json.loads((CONFIGS / "ds_zero2_cpu.json").read_text())

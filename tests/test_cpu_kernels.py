@@ -307,7 +307,9 @@ NARROWER = {
 def test_narrower_vector_paths_pass_the_kernel_tests_too(isa):
     """The library is built for the widest vector path the CPU has, so on an AVX-512 machine
     the AVX2 loops (and the scalar ones everywhere) would never run in CI. Build each on
-    purpose and run this file's C++ checks against it: same reference, same bounds."""
+    purpose and run this file's C++ checks against it: same reference, same bounds. Skipped
+    where there is nothing to narrow: inside such a run, off x86 (whose flags these are), and
+    for the machine's own path, which the rest of this file tests."""
     from gefen_dist.backends import native_cpu
 
     if os.environ.get("GEFEN_CPU_FLAGS"):
@@ -468,7 +470,7 @@ def test_native_block_sums_add_sixteen_lanes_in_order(threads):
     lanes 0 to 15 one by one. The rows here make the order show in the folded fp32 v: a row
     mean of 0.5 + 2^-25 (an fp32 tie, rounding to 0.5) made of 16 + 2^-20 in two lanes and four
     2^-50 in others, which vanish when added after the 16 and make 2^-48 (enough to round the
-    mean up) when added first."""
+    mean up) when added first. Skipped on a CPU without AVX-512: no build there has the loop."""
     from gefen_dist.backends import native_cpu, reference
 
     if native_cpu.isa() not in ("avx512", "avx512vbmi"):

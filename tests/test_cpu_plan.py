@@ -6,13 +6,19 @@ import copy
 
 import pytest
 import torch
+from needs import cpp_kernel
 
 from gefen_dist import Gefen
 from gefen_dist.backends import native_cpu
 from gefen_dist.backends.cpu_plan import CpuPlan
 
-pytestmark = pytest.mark.skipif(not native_cpu.available(), reason="no C++ compiler")
+pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cpp_kernel():
+    cpp_kernel()
 
 
 def _model():

@@ -117,4 +117,4 @@ def test_sharded_steps_do_not_depend_on_the_default_device(tmp_path):
     from dist_util import read_results, torchrun
 
     torchrun("default_device.py", str(tmp_path))
-    assert read_results(tmp_path) == [{"fsdp1": True, "ddp": True}] * 2
+    assert read_results(tmp_path, ranks=2) == [{"fsdp1": True, "ddp": True}] * 2

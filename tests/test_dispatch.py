@@ -6,8 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from needs import extra
 
 from gefen_dist.backends.dispatch import BACKENDS, Choice, Facts, choose
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +57,7 @@ def test_a_cuda_device_picks_triton_with_no_compiler_on_path(tmp_path):
     """What a user with a CUDA wheel of torch has: triton, and neither nvcc nor ninja. The
     Triton kernels need neither (they compile through triton's own bundled toolchain), so the
     facts Gefen gathers for a CUDA device say triton is available, and the rule picks it."""
-    pytest.importorskip("triton")
+    extra("triton")
     code = (
         "import shutil\n"
         "assert shutil.which('nvcc') is None and shutil.which('ninja') is None\n"
@@ -91,7 +94,7 @@ def test_host_tensors_take_the_cpp_kernel_where_triton_is_compiled(tmp_path):
     interpreter, as on a GPU machine): Triton does not take host tensors, so 'auto' and
     'native' give the C++ kernel (``Gefen.backend_of`` says so per parameter, as for an
     offloaded FSDP2 shard), and 'triton' by name is refused saying why."""
-    pytest.importorskip("triton")
+    extra("triton")
     code = (
         "import torch\n"
         "from gefen_dist import Gefen\n"

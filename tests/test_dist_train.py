@@ -67,6 +67,7 @@ def test_run_config_trains_under_each_launcher(launcher, config, tmp_path):
     p = _launch(launcher, config, out)
     res = json.loads(out.read_text())
     assert res["world_size"] == 2 and res["config"]["model"]["n_layer"] == 1
+    assert len(res["ranks"]) == 2  # every rank reported
     assert res["ran"]["device"].startswith("cpu") and res["ran"]["backend"] == "gloo"
     assert {k: res["ran"][k] for k in RAN[config]} == RAN[config]
     assert f"ran {RAN[config]['distributed_type']}" in p.stdout, p.stdout
@@ -227,6 +228,7 @@ def test_a_resumed_run_ends_exactly_as_one_never_stopped(launcher, config, tmp_p
         runs[name] = json.loads(out.read_text())
     straight, saving, resumed = runs["straight"], runs["saving"], runs["resumed"]
     assert resumed["resumed_from_step"] == 2 and straight["resumed_from_step"] == 0
+    assert [len(run["ranks"]) for run in runs.values()] == [2, 2, 2]  # every rank reported
     if launcher == "accelerate-deepspeed":  # not Accelerate's plain data parallel on CPUs
         for run in runs.values():
             assert (run["ran"]["distributed_type"], run["ran"].get("zero_stage")) == (
@@ -280,6 +282,7 @@ def test_accelerate_deepspeed_zero2_steps_the_gefen_its_config_builds(tmp_path):
     # state differs from half of DDP's only by the mix of per-element (4 B) and coded elements
     # each half holds: measured 16448 and 16192 B of 32640 (0.4% off half), and together exactly
     # the whole, since no block is cut and no state duplicated.
+    assert len(ddp["ranks"]) == len(zero2["ranks"]) == 2  # every rank reported
     whole, n = ddp["ranks"][0]["state_bytes"], ddp["ranks"][0]["state_params"]
     assert all((r["state_bytes"], r["state_params"]) == (whole, n) for r in ddp["ranks"])
     assert [r["state_params"] for r in zero2["ranks"]] == [n // 2, n // 2]

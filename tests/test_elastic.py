@@ -62,7 +62,7 @@ def runs(tmp_path_factory):
         out = d / name
         args = ("save", str(out), str(STEPS), str(SAVE_AT), str(BITS), layout)
         torchrun("elastic.py", *args, nproc=world, timeout=600)
-        saved[name] = read_results(out)
+        saved[name] = read_results(out, ranks=world)
         if layout == "fsdp2":
             files[name] = d / f"{name}.pt"
             saved[name + ".cli"] = _consolidate(out / "dcp", files[name])
@@ -73,7 +73,7 @@ def runs(tmp_path_factory):
         out = d / f"{src}-to-{world}-{layout}"
         args = ("resume", str(out), str(files[src]), str(SAVE_AT), str(STEPS), str(BITS), layout)
         torchrun("elastic.py", *args, nproc=world, timeout=600)
-        resumed[(src, world, layout)] = read_results(out)
+        resumed[(src, world, layout)] = read_results(out, ranks=world)
     return saved, resumed, files
 
 

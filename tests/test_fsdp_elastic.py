@@ -61,13 +61,13 @@ def runs(tmp_path_factory):
     ck = d / "ck"
     args = ("save", str(d / "save"), str(ck), str(STEPS), str(SAVE_AT), str(BITS))
     torchrun("fsdp_elastic.py", *args)
-    saved = read_results(d / "save")
+    saved = read_results(d / "save", ranks=2)
     resumed = {}
     for world in WORLDS:
         out = d / f"resume{world}"
         args = ("resume", str(out), str(ck), str(SAVE_AT), str(STEPS), str(BITS))
         torchrun("fsdp_elastic.py", *args, nproc=world, timeout=900)
-        resumed[world] = read_results(out)
+        resumed[world] = read_results(out, ranks=world)
     return saved, resumed, ck
 
 

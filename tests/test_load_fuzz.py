@@ -652,8 +652,7 @@ def dcp_damage(tmp_path_factory):
     root = tmp_path_factory.mktemp("dcp_fuzz")
     t0 = time.perf_counter()
     torchrun("dcp_load_fuzz.py", str(root / "out"), str(root / "ck"), "4")
-    ranks = read_results(root / "out")
-    assert len(ranks) == 2
+    ranks = read_results(root / "out", ranks=2)
     print(f"\nFSDP2 DCP damages: {len(ranks[0])} on 2 ranks in {time.perf_counter() - t0:.1f} s")
     for name in DCP_NAMES:
         print(f"  {name}: " + " / ".join(r[name]["stage"] for r in ranks))

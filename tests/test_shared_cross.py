@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from needs import extra
 
 from gefen_dist import Gefen
 from gefen_dist.method import codebook as cb
@@ -77,7 +78,7 @@ def test_rows_as_segments_step_as_the_whole_tensor_on_triton():
 
 def _on_triton(check: str) -> None:
     """``check(bits, 'triton')`` at both widths in a process whose triton is interpreted."""
-    pytest.importorskip("triton")
+    extra("triton")
     here = Path(__file__).resolve().parent
     code = f"import test_shared_cross as t; t.{check}(8, 'triton'); t.{check}(4, 'triton')"
     path = os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])

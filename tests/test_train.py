@@ -144,10 +144,6 @@ def test_cli_end_to_end(tmp_path):
 
 
 def test_tiny_gefen_run_uses_memory_report():
-    try:
-        from gefen_dist import Gefen  # noqa: F401
-    except ImportError:
-        pytest.skip("gefen_dist.Gefen not available yet")
     r = run({**TINY, "optimizer": "gefen", "gefen_kwargs": {"bits": 4}, "seed": 0})
     assert r["memory_report"] is not None
     assert r["state_bytes"] == r["memory_report"]["state_bytes"] < r["adamw_bytes"]

@@ -25,14 +25,7 @@ import sys  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-pytest.importorskip("triton")
-if type(pytest.importorskip("triton.language").zeros).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "triton was imported before this module could set TRITON_INTERPRET=1, so its own "
-        "language functions run compiled: run this file on its own, or with TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
+from needs import extra, triton_interpreter  # noqa: E402
 
 from gefen_dist.backends import segment_table  # noqa: E402
 from gefen_dist.backends import triton_backend as tb  # noqa: E402
@@ -58,6 +51,11 @@ from gefen_dist.method.segments import num_blocks  # noqa: E402
 from gefen_dist.method.state import SegmentState, cross_length  # noqa: E402
 
 pytestmark = pytest.mark.triton
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    triton_interpreter()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -708,7 +706,7 @@ def test_every_variant_compiles_for_sm90_without_contraction():
     the launch options (no GPU needed: triton's own ptxas), and the PTX holds no FMA, no
     approximate division or square root, nothing flushing subnormals; with fusion allowed the
     same element pass does contract (so the check can see it)."""
-    pytest.importorskip("triton.backends.nvidia")
+    extra("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

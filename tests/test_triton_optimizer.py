@@ -9,10 +9,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-pytest.importorskip("triton")
-
 from dist_util import read_results, torchrun  # noqa: E402
+from needs import triton_interpreter  # noqa: E402
 
 from gefen_dist import Gefen  # noqa: E402
 from gefen_dist.backends import triton_backend  # noqa: E402
@@ -21,11 +19,11 @@ from gefen_dist.demo.model import GPT, GPTConfig  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
-if not triton_backend.available(torch.device("cpu")):
-    pytest.skip(
-        f"Triton's interpreter cannot run here: {triton_backend.build_error(torch.device('cpu'))}",
-        allow_module_level=True,
-    )
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    triton_interpreter()
+
 
 STEPS = 4
 
@@ -125,8 +123,7 @@ def test_fsdp2_on_two_ranks_with_triton(tmp_path):
         env={"TRITON_INTERPRET": "1"},
         timeout=900,
     )
-    ranks = read_results(tmp_path / "out")
-    assert len(ranks) == 2
+    ranks = read_results(tmp_path / "out", ranks=2)
     for r in ranks:
         assert r["triton"]["backend"] == "triton" and r["resumed"]["backend"] == "triton"
         assert r["native"]["backend"] == "native-cpu"

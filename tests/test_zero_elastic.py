@@ -54,18 +54,18 @@ def runs(base):
     saved = {}
     for name, stage in SAVES.items():
         deepspeed_run("zero_elastic.py", "save", str(d / name), str(stage), nproc=2)
-        saved[name] = read_results(d / name)
+        saved[name] = read_results(d / name, ranks=2)
     resumed = {}
     for src, world, stage in RESUMES:
         out = d / f"{src}-to-z{stage}x{world}"
         ckpt = str(d / src / "ckpt")
         deepspeed_run("zero_elastic.py", "resume", str(out), ckpt, str(stage), nproc=world)
-        resumed[(src, world, stage)] = read_results(out)
+        resumed[(src, world, stage)] = read_results(out, ranks=world)
     refusals = d / "refused"
     deepspeed_run(
         "zero_elastic.py", "refuse", str(refusals), str(d / "z2x2" / "ckpt"), "2", nproc=1
     )
-    (refused,) = read_results(refusals)
+    (refused,) = read_results(refusals, ranks=1)
     return saved, resumed, refused
 
 
@@ -227,7 +227,7 @@ def from_one(base):
     losses += _train(model, opt, SAVE_AT, STEPS)
     out = base / "from_one"
     deepspeed_run("zero_elastic.py", "from_one", str(out), str(pt), nproc=2)
-    return losses, read_results(out)
+    return losses, read_results(out, ranks=2)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
