@@ -1,4 +1,4 @@
-"""Session hygiene shared by every test module."""
+"""Session hygiene shared by every test module, and the check of the kinds each test declares."""
 
 from __future__ import annotations
 
@@ -57,36 +57,57 @@ def _remove_deepspeed_shm_buffers_of_the_test():
         yield
 
 
-SLOW = (
-    "tests/test_cpu_kernels.py::test_narrower_vector_paths_pass_the_kernel_tests_too",
-    "tests/test_bench.py::test_smoke_compare_end_to_end",
-    "tests/test_bench.py::test_state_bytes_unpacks_torchao_quantised_tensors",
-    "tests/test_bench_memory.py::test_smoke_capacity",
-    "tests/test_checkpoint.py::test_resume_in_a_fresh_process_is_bit_exact",
-    "tests/test_main_job.py",
-    "tests/test_train.py",
-)
-"""Tests of tens of seconds each (a kernel build per vector path, a subprocess training run,
-torchao's compile) that carry no mark of their own."""
-
-_SPAWNS = ("torchrun(", "deepspeed_run(", "torch.distributed.run", "accelerate launch")
+KINDS = ("unit", "dist", "triton", "slow")
+"""What a test does, declared by its module's ``pytestmark`` (pyproject.toml describes each):
+``-m unit`` is the fast in-process part, and ``-m 'not slow'`` leaves out what takes tens of
+seconds."""
 
 
-def pytest_collection_modifyitems(config, items):
-    """Marks by what a test does, so ``-m`` selects without a mark on every test: ``dist``
-    where its module starts ranks in subprocesses, ``slow`` for SLOW, ``unit`` for the rest of
-    what is neither nor needs triton (the fast command in README.md runs ``-m unit``)."""
-    spawns: dict[str, bool] = {}
+def _kinds(node: pytest.Item | pytest.Collector) -> set[str]:
+    return {m.name for m in node.own_markers if m.name in KINDS}
+
+
+def _resolve(item: pytest.Item) -> tuple[set[str], str | None]:
+    """The kinds ``item`` has, and what is wrong with them (None: nothing).
+
+    Kinds add up from the module down to the test, with one exception: ``unit`` means none of
+    the others, so a test (or class) that declares another kind in a ``unit`` module is not
+    ``unit``. Declaring ``unit`` beside another kind on one node, or on a test of a module of
+    another kind, is an error; so is a test with no kind."""
+    chain = [node for node in item.listchain() if isinstance(node, (pytest.Module, pytest.Class))]
+    chain.append(item)
+    kinds: set[str] = set()
+    for node in chain:
+        own = _kinds(node)
+        if "unit" in own and len(own) > 1:
+            return kinds | own, f"{node.name} declares unit beside {sorted(own - {'unit'})}"
+        if "unit" in own and kinds - {"unit"}:
+            return kinds | own, f"{node.name} declares unit inside {sorted(kinds)}"
+        if own - {"unit"}:
+            kinds.discard("unit")
+        kinds |= own
+    if not kinds:
+        return kinds, f"declares none of {', '.join(KINDS)}; its module's pytestmark must name one"
+    return kinds, None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Checks every test's declared kinds, and moves ``unit`` from a module (or class) onto the
+    tests that keep it, so that ``-m unit`` leaves out a test that declared another kind. Runs
+    before pytest's own ``-m`` selection (tryfirst), which reads the markers this leaves."""
+    wrong: list[str] = []
+    keeps: list[pytest.Item] = []
     for item in items:
-        path = str(item.path)
-        if path not in spawns:
-            try:
-                spawns[path] = any(s in item.path.read_text() for s in _SPAWNS)
-            except OSError:
-                spawns[path] = False
-        if spawns[path] and not item.get_closest_marker("dist"):
-            item.add_marker(pytest.mark.dist)
-        if item.nodeid.startswith(SLOW):
-            item.add_marker(pytest.mark.slow)
-        if not any(item.get_closest_marker(m) for m in ("dist", "slow", "triton")):
+        kinds, why = _resolve(item)
+        if why:
+            wrong.append(f"{item.nodeid}: {why}")
+        elif "unit" in kinds:
+            keeps.append(item)
+    if wrong:
+        raise pytest.UsageError("tests with a wrong kind:\n  " + "\n  ".join(wrong))
+    for node in {node for item in items for node in item.listchain()[:-1]}:
+        node.own_markers[:] = [m for m in node.own_markers if m.name != "unit"]
+    for item in keeps:
+        if "unit" not in _kinds(item):
             item.add_marker(pytest.mark.unit)

@@ -15,6 +15,8 @@ from torch import nn
 
 from gefen_dist.bench import peers, store, suite, tasks
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -151,6 +153,7 @@ def test_store_skips_done_runs_and_does_not_reuse_other_revisions(tmp_path, monk
     assert "missed on mlp: gefen4" in text
 
 
+@pytest.mark.slow
 def test_smoke_compare_end_to_end_lists_a_missing_peer_as_skipped(tmp_path):
     fake = tmp_path / "fake"
     (fake / "bitsandbytes").mkdir(parents=True)
@@ -192,6 +195,7 @@ def test_smoke_compare_end_to_end_lists_a_missing_peer_as_skipped(tmp_path):
     assert len((out / "runs.jsonl").read_text().splitlines()) == 6
 
 
+@pytest.mark.slow
 def test_bench_main_lists_subcommands_and_rejects_unknown():
     p = subprocess.run(
         [sys.executable, "-m", "gefen_dist.bench", "nope"], cwd=ROOT, capture_output=True, text=True
@@ -201,6 +205,7 @@ def test_bench_main_lists_subcommands_and_rejects_unknown():
         assert cmd in p.stderr
 
 
+@pytest.mark.slow
 def test_state_bytes_counts_fsdp2_state_by_local_shard(tmp_path):
     """FSDP2 keeps DTensor state: count what this rank holds (its shard), not fail."""
     code = (

@@ -10,6 +10,8 @@ import torch
 from gefen_dist import Gefen
 from gefen_dist.bench import capacity, memory, peers
 
+pytestmark = pytest.mark.unit
+
 TINY = memory.Shape("tiny-gpt", "gpt2", 64, 2, 4, 300, ctx=32)
 
 
@@ -97,6 +99,7 @@ def test_guess_from_slope():
     assert capacity.guess_from(None, one, 200) == 1
 
 
+@pytest.mark.slow
 def test_smoke_capacity_gefen_fits_at_least_adamw(tmp_path):
     """A real run of the CLI: subprocess probes, a budget, files written."""
     capacity.main(["--smoke", "--out", str(tmp_path)])

@@ -15,6 +15,8 @@ import pytest
 
 from gefen_dist.bench import compare, store, suite, sweep, tasks
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from dist_util import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.dist]
+pytestmark = pytest.mark.unit
 
 LAUNCH = Path(__file__).parent.parent / "launch"
 sys.path.insert(0, str(LAUNCH))
@@ -22,6 +22,8 @@ import train  # noqa: E402
 OWN_MARKER = {"fsdp2": "dcp/.metadata", "deepspeed": "latest"}
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "launcher,kills,seed,phases",
     # the two seeds' plans kill in all four phases between them, and in a save under each
@@ -168,6 +170,7 @@ def test_the_chaos_hook_is_parsed_or_refused(spec, parsed):
         assert train.parse_chaos(spec) == parsed
 
 
+@pytest.mark.slow
 def test_a_bad_chaos_hook_stops_the_script_before_any_process_group():
     """A typo in the test hook must fail the chaos test at once, not let the rank live."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0",

@@ -9,6 +9,8 @@ import torch
 from gefen_dist import Gefen
 from gefen_dist.demo.model import GPT, GPTConfig
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=64)
@@ -55,6 +57,7 @@ RESUME = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [4, 8])
 def test_resume_in_a_fresh_process_is_bit_exact(tmp_path, bits):
     script = tmp_path / "resume.py"
@@ -230,6 +233,7 @@ def test_a_loaded_state_shares_one_codebook_and_keeps_a_foreign_one(tmp_path):
     assert torch.equal(states[0]["codebook"], first) and torch.equal(states[2]["codebook"], first)
 
 
+@pytest.mark.slow
 def test_a_step_allocates_no_parameter_sized_temporaries(tmp_path):
     """Peak RSS over the first two steps (partition, codebook, updates) minus the state itself
     stays below what any parameter-sized temporary would take (32 MiB at one byte per element,

@@ -6,6 +6,8 @@ import torch
 
 from gefen_dist.method import codebook as cb
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 

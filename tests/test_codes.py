@@ -4,6 +4,8 @@ import torch
 from gefen_dist.method import codes
 from gefen_dist.method.codebook import uniform_levels
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 8, 1001])
 def test_pack_unpack_roundtrip(n):

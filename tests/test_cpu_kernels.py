@@ -14,6 +14,8 @@ from gefen_dist.method import codebook as cb
 from gefen_dist.method import state
 from gefen_dist.method.codes import midpoints, unpack4
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 
@@ -303,6 +305,7 @@ NARROWER = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", list(NARROWER))
 def test_narrower_vector_paths_pass_the_kernel_tests_too(isa):
     """The library is built for the widest vector path the CPU has, so on an AVX-512 machine
@@ -342,6 +345,7 @@ def test_narrower_vector_paths_pass_the_kernel_tests_too(isa):
     assert " passed" in r.stdout and " failed" not in r.stdout
 
 
+@pytest.mark.slow
 def test_missing_compiler_falls_back_with_a_warning(tmp_path):
     code = (
         "import warnings, torch\n"

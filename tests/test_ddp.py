@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 from dist_util import read_results, torchrun
 
+pytestmark = pytest.mark.dist
+
 STEPS = 5
 
 

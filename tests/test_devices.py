@@ -26,6 +26,8 @@ from gefen_dist.method.hyper import Hyper
 from gefen_dist.method.segments import num_blocks
 from gefen_dist.method.state import SegmentState, cross_length
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("block", [1, 97, -97])
@@ -110,6 +112,7 @@ def test_a_state_left_on_another_device_is_refused_by_name():
     assert all(torch.equal(st[k], before[k]) for k in before)  # nothing was stepped
 
 
+@pytest.mark.dist
 def test_sharded_steps_do_not_depend_on_the_default_device(tmp_path):
     """FSDP1 flat shards (pieces spread over ranks: the statistics gathered, the histogram and
     the v_cross sums all-reduced) and DDP on 2 gloo ranks, as above

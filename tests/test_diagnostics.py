@@ -11,6 +11,8 @@ import torch
 from gefen_dist import Gefen
 from gefen_dist.method import state
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

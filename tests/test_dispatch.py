@@ -53,6 +53,8 @@ def test_triton_on_tensors_it_does_not_take_is_refused_by_name():
     assert set(BACKENDS) == {"auto", "native", "triton", "reference"}
 
 
+@pytest.mark.triton
+@pytest.mark.slow
 def test_a_cuda_device_picks_triton_with_no_compiler_on_path(tmp_path):
     """What a user with a CUDA wheel of torch has: triton, and neither nvcc nor ninja. The
     Triton kernels need neither (they compile through triton's own bundled toolchain), so the
@@ -89,6 +91,8 @@ def test_each_parameter_takes_its_own_devices_kernel():
     assert choose("auto", CUDA).unavailable is None
 
 
+@pytest.mark.triton
+@pytest.mark.slow
 def test_host_tensors_take_the_cpp_kernel_where_triton_is_compiled(tmp_path):
     """The facts Gefen gathers for a host tensor in a process where triton imports compiled (no
     interpreter, as on a GPU machine): Triton does not take host tensors, so 'auto' and

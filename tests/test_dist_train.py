@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from dist_util import free_port
 
+pytestmark = pytest.mark.unit
+
 TRAIN = Path(__file__).parent.parent / "launch" / "train.py"
 CONFIGS = Path(__file__).parent.parent / "configs" / "run"
 # Accelerate's DeepSpeed on CPU ranks, under torchrun (README, "Accelerate")
@@ -56,6 +58,7 @@ RAN = {
 }
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "launcher,config",
     [("torchrun", "ddp.yaml"), ("torchrun", "fsdp1.yaml"), ("torchrun", "fsdp2.yaml"),
@@ -127,6 +130,7 @@ def test_the_device_follows_the_config_and_the_machine():
             train.rank_device(train.load_config({"device": "cuda"}))
 
 
+@pytest.mark.slow
 def test_a_bad_key_stops_the_script_before_any_process_group(tmp_path):
     """Exit 2 with the key named, from --config and from --set alike."""
     cfg = tmp_path / "bad.yaml"
@@ -154,6 +158,7 @@ def _rendezvous_env(world: int) -> dict:
             "MASTER_PORT": str(free_port())}  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "override,named",
     [("optimizer.lr=-1", "optimizer.lr"), ("optimizer.weight_decay=-1", "optimizer.weight_decay"),
@@ -167,6 +172,7 @@ def test_a_bad_optimizer_value_stops_the_script_before_any_process_group(overrid
     assert f"'{named}'" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config,launcher",
     [("ddp.yaml", "torchrun --nproc_per_node 2"), ("fsdp1.yaml", "torchrun --nproc_per_node 2"),
@@ -186,6 +192,7 @@ def test_without_a_launcher_the_script_says_which_to_use(config, launcher):
     assert f"{launcher} {TRAIN} --config {CONFIGS / config} --set steps=3" in p.stderr, p.stderr
 
 
+@pytest.mark.dist
 def test_accelerate_on_cpus_says_it_ignored_an_fsdp_config(tmp_path):
     """Accelerate on a machine without a GPU runs an FSDP config as plain multi-process DDP; the
     run must say so rather than report the config's wish."""
@@ -204,6 +211,7 @@ TINY = ["--set", "steps=4", "--set", "eval_every=1", "--set", "model.n_embd=32",
         "--set", "data.val_batches=1", "--set", "data.max_bytes=65536"]  # fmt: skip
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "launcher,config",
     [("torchrun", "ddp.yaml"), ("torchrun", "fsdp1.yaml"), ("torchrun", "fsdp2.yaml"),
@@ -248,6 +256,7 @@ def test_a_resumed_run_ends_exactly_as_one_never_stopped(launcher, config, tmp_p
         assert p.returncode == 2 and "optimizer.lr: 0.001 saved, 0.002 now" in p.stderr, p.stderr
 
 
+@pytest.mark.dist
 def test_accelerate_deepspeed_zero2_steps_the_gefen_its_config_builds(tmp_path):
     """The DeepSpeed JSON names the optimizer ("type": "Gefen"), so Accelerate takes no built one:
     the script passes DummyOptim with the run config's lr and weight decay and fills the JSON's
@@ -290,6 +299,7 @@ def test_accelerate_deepspeed_zero2_steps_the_gefen_its_config_builds(tmp_path):
     assert sum(held) == whole and all(abs(h - whole / 2) <= 0.01 * whole for h in held), held
 
 
+@pytest.mark.dist
 def test_accelerate_deepspeed_refuses_a_config_that_builds_another_optimizer(tmp_path):
     """optimizer.name adamw, but the DeepSpeed JSON builds Gefen: stopped, naming both."""
     out = tmp_path / "out.json"
@@ -299,6 +309,7 @@ def test_accelerate_deepspeed_refuses_a_config_that_builds_another_optimizer(tmp
     assert not out.exists()
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "config",
     [

@@ -29,6 +29,8 @@ from dist_util import read_results, resume_drift, torchrun
 from gefen_dist import Gefen, checkpoint
 from gefen_dist.demo.model import GPT, GPTConfig
 
+pytestmark = pytest.mark.dist
+
 TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=64)  # tests/dist/fsdp_common.py's
 
 STEPS, SAVE_AT, BITS = 50, 20, 4

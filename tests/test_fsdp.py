@@ -32,6 +32,8 @@ import pytest
 import torch
 from dist_util import duplicated_cross_bytes, read_results, torchrun
 
+pytestmark = pytest.mark.dist
+
 STEPS, BITS = 5, 8
 SETUPS = [
     ("gpt", "fsdp1_flat"),

@@ -16,6 +16,8 @@ from __future__ import annotations
 import pytest
 from dist_util import read_results, torchrun
 
+pytestmark = pytest.mark.dist
+
 SETUPS = ("orig", "flat")
 TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 SAVE_AT = 3

@@ -18,6 +18,8 @@ import torch
 from dist_util import duplicated_cross_bytes, read_results, torchrun
 from test_fsdp import CUT_LOSS_TOL, SPLIT_LOSS_TOL
 
+pytestmark = pytest.mark.dist
+
 STEPS, BITS, WORLD = 5, 8, 4
 RUNS = [
     ("gpt", "hsdp2", "same"),

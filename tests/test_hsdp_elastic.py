@@ -18,6 +18,8 @@ import pytest
 from dist_util import read_results, resume_drift, torchrun
 from test_elastic import FIRST_TOL, NEW_WORLD_TOL
 
+pytestmark = pytest.mark.dist
+
 STEPS, SAVE_AT, BITS = 50, 20, 4
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 PKG = Path(__file__).resolve().parents[1] / "gefen_dist"
 
 LAYERS = {

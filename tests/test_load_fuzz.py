@@ -29,6 +29,8 @@ from gefen_dist import Gefen
 from gefen_dist.method.partition import MAX_BLOCK
 from gefen_dist.method.state import STATE_KEYS
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 # name: (shape, how its gradients vary, block sizes memory_report must show, v_cross entries)
@@ -444,6 +446,7 @@ def _attempt(bits: int, blob: bytes, sd: dict, pid: int, key: str | None) -> tup
     return "loaded", ""
 
 
+@pytest.mark.slow  # PER_KIND mutations of each kind, each loaded and stepped, per width
 def test_every_mutation_is_refused_by_name_or_steps_finite(saved):
     bits, blob = saved
     rng = random.Random(1000 + bits)
@@ -680,6 +683,7 @@ DCP_DAMAGES = [
 DCP_NAMES = [d if isinstance(d, str) else d.values[0] for d in DCP_DAMAGES]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("damage", DCP_DAMAGES)
 def test_a_damaged_fsdp2_checkpoint_is_refused_by_name_or_steps_finite(dcp_damage, damage):
     got = [r[damage] for r in dcp_damage]
@@ -706,6 +710,7 @@ def test_a_damaged_fsdp2_checkpoint_is_refused_by_name_or_steps_finite(dcp_damag
         ), got
 
 
+@pytest.mark.dist
 def test_check_gradients_refuses_on_every_rank_where_one_rank_holds_a_nan(dcp_damage):
     """A NaN in rank 1's shard only: rank 1 names the parameter, rank 0 refuses too, so no
     rank goes on into the step's collectives alone."""

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 ROOT = Path(__file__).parent.parent
 
 

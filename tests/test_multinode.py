@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from dist_util import free_port
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).parent.parent
 TRAIN = ROOT / "launch" / "train.py"
 CONFIG = ROOT / "configs" / "run" / "hsdp.yaml"
@@ -77,6 +79,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.dist
 def test_two_nodes_make_one_run_on_a_replicate_by_shard_mesh(runs):
     for run in (runs["saving"], runs["resumed"]):
         assert run["world_size"] == NODES * PER_NODE
@@ -84,6 +87,7 @@ def test_two_nodes_make_one_run_on_a_replicate_by_shard_mesh(runs):
         assert run["ran"]["optimizer"] == "Gefen"
 
 
+@pytest.mark.dist
 def test_the_resumed_run_continues_the_saved_one_bit_for_bit(runs):
     saving, resumed = runs["saving"], runs["resumed"]
     assert resumed["resumed_from_step"] == 2 and saving["resumed_from_step"] == 0
@@ -92,6 +96,7 @@ def test_the_resumed_run_continues_the_saved_one_bit_for_bit(runs):
     assert resumed["digest"] == saving["digest"]
 
 
+@pytest.mark.dist
 def test_a_checkpoint_of_two_nodes_resumes_on_one_node_of_as_many_ranks(runs):
     """Same world size, another mesh: the checkpoint's marker names the (2, 2) mesh that saved
     it, so the (1, 4) run re-cuts Gefen's state for its shard groups (launch/train.py,
@@ -102,6 +107,7 @@ def test_a_checkpoint_of_two_nodes_resumes_on_one_node_of_as_many_ranks(runs):
     assert one["curve"][-1]["val_loss"] < one["curve"][2]["val_loss"]
 
 
+@pytest.mark.dist
 def test_replicas_on_the_two_nodes_hold_the_same_bits(runs):
     """Rank r on node 0 and rank r + 2 on node 1 hold the same piece: the same parameters and
     optimizer state; the two ranks of a node hold different pieces."""
@@ -111,6 +117,7 @@ def test_replicas_on_the_two_nodes_hold_the_same_bits(runs):
         assert d[0][key] != d[1][key], key
 
 
+@pytest.mark.dist
 def test_each_rank_keeps_its_pieces_state_below_adamws(runs):
     ranks = runs["saving"]["ranks"]
     assert len(ranks) == NODES * PER_NODE
@@ -121,6 +128,7 @@ def test_each_rank_keeps_its_pieces_state_below_adamws(runs):
     assert sum(r["state_params"] for r in ranks[:2]) == n_params  # one node holds it once
 
 
+@pytest.mark.dist
 def test_the_checkpoint_keys_rank_entries_within_a_node(runs):
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -174,6 +182,7 @@ def test_a_mesh_of_another_world_size_stops_before_the_process_group(monkeypatch
     assert train.load_config({"sharding": {"mode": "hsdp", "mesh": [2, 2]}})
 
 
+@pytest.mark.slow
 def test_without_a_launcher_the_script_gives_the_multinode_command():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     p = subprocess.run([sys.executable, str(TRAIN), "--config", str(CONFIG)], env=env,

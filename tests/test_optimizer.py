@@ -9,6 +9,8 @@ from gefen_dist.backends import reference
 from gefen_dist.method import spec
 from gefen_dist.method.codes import unpack4
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 

@@ -5,6 +5,8 @@ import torch
 
 from gefen_dist.method import partition as pt
 
+pytestmark = pytest.mark.unit
+
 
 def _gen(seed=0):
     return torch.Generator().manual_seed(seed)

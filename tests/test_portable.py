@@ -16,6 +16,8 @@ from gefen_dist.demo.model import GPT, GPTConfig
 from gefen_dist.method import partition, portable, state
 from gefen_dist.method.codes import read_codes
 
+pytestmark = pytest.mark.unit
+
 TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=64)
 
 

@@ -27,6 +27,7 @@ def _python(code: str) -> str:
     return p.stdout
 
 
+@pytest.mark.slow
 def test_import_needs_no_framework():
     out = _python(
         "import sys, gefen_dist\n"
@@ -80,6 +81,7 @@ def test_from_config_params():
     assert "'betas'" in out and "'bits'" in out
 
 
+@pytest.mark.slow
 def test_from_config_names_values_of_the_wrong_type():
     """A value no launcher resolved ("auto"), or one JSON typed wrongly, fails naming its key;
     a truthy string in a flag would otherwise be taken as true."""
@@ -132,6 +134,7 @@ WRAPPER = {
 }
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))
 def test_deepspeed_json_builds_gefen(ds_json, stage):
     for r in ds_json:
@@ -147,6 +150,7 @@ def test_deepspeed_json_builds_gefen(ds_json, stage):
     assert a[-1] < a[0] + 0.1 and all(x == x for x in a + b)
 
 
+@pytest.mark.dist
 def test_deepspeed_json_follows_across_stages(ds_json):
     """Same model, data and hyper-parameters: every ZeRO stage trains like ZeRO-0 over 3 steps
     (test_deepspeed.py bounds the partition effects at 1e-4 in loss; measured here: 1.5e-6).
@@ -159,6 +163,7 @@ def test_deepspeed_json_follows_across_stages(ds_json):
             assert max(abs(x - y) for x, y in zip(got, ref, strict=True)) < tol, (stage, got, ref)
 
 
+@pytest.mark.dist
 def test_deepspeed_json_zero0_memory_report_and_block_sizes(ds_json):
     """Under ZeRO-0 DeepSpeed steps Gefen itself, with no ZeRO wrapper around it: the report is
     Gefen's own, the whole model's state on every rank, which ZeRO-1's two partitions add up to
@@ -178,11 +183,13 @@ def test_deepspeed_json_zero0_memory_report_and_block_sizes(ds_json):
     assert whole <= total <= whole + 1024 + duplicated_cross_bytes(zero1)
 
 
+@pytest.mark.dist
 def test_deepspeed_json_unknown_param_is_refused(ds_json):
     msg = ds_json[0]["unknown_param"]
     assert msg is not None and "unknown params ['momentum']" in msg and "'bits'" in msg
 
 
+@pytest.mark.dist
 def test_deepspeed_json_unresolved_auto_is_named(ds_json):
     """deepspeed.initialize with "lr": "auto" left in: the error names the key and who resolves
     "auto" (DeepSpeed itself reads optimizer params only through Gefen's constructor path)."""
@@ -208,6 +215,7 @@ def _accelerate(tmp_path, env):
     return ranks
 
 
+@pytest.mark.dist
 def test_accelerate_ddp_save_load_state(tmp_path):
     ranks = _accelerate(tmp_path, {"ACCELERATE_USE_CPU": "true"})
     assert ranks[0]["distributed_type"] == "DistributedType.MULTI_CPU"
@@ -229,6 +237,7 @@ def test_accelerate_deepspeed_dummy_optim_save_load_state(tmp_path):
         assert r["lr"] == 3e-3  # DummyOptim's lr filled the JSON's "auto"
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(
     torch.cuda.device_count() < 1,
     reason="Accelerate's FSDP plugin asks for the current GPU (sync_module_states, device_id); "
@@ -250,6 +259,7 @@ def test_accelerate_fsdp_save_load_state(tmp_path, version):
     assert ranks[0]["distributed_type"] == "DistributedType.FSDP"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("mode", ("ds", "object"))
 def test_hf_trainer_trains_saves_resumes(tmp_path, mode):
     """``--deepspeed`` with a Gefen JSON, and ``optimizers=(Gefen(...), None)`` under DDP: the
@@ -273,6 +283,7 @@ def test_hf_trainer_trains_saves_resumes(tmp_path, mode):
         assert again["weights"] == r["weights"]
 
 
+@pytest.mark.dist
 def test_deepspeed_callable_optimizer_binds_when_gefen_dist_came_first(tmp_path):
     """With gefen_dist imported before deepspeed and no register(), a Gefen built by a callable
     brings the integration in from inside deepspeed.initialize: it must still bind to the ZeRO

@@ -9,6 +9,8 @@ from gefen_dist.bench import tasks
 from gefen_dist.demo import train as demo
 from gefen_dist.schedule import warmup_cosine
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

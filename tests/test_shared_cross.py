@@ -24,6 +24,8 @@ from gefen_dist.method import codebook as cb
 from gefen_dist.method import spec, state
 from gefen_dist.method.segments import Segment
 
+pytestmark = pytest.mark.unit
+
 ROWS, WIDTH = 24, 64  # 24 blocks of a row: factored (MIN_CROSS_BLOCKS = 16)
 
 
@@ -70,6 +72,8 @@ def test_rows_as_segments_step_as_the_whole_tensor(bits, backend):
     check_rows(bits, backend)
 
 
+@pytest.mark.triton
+@pytest.mark.slow
 def test_rows_as_segments_step_as_the_whole_tensor_on_triton():
     """The same through the Triton kernels, on CPU tensors under Triton's interpreter (set
     before triton is imported, hence a process of its own)."""
@@ -214,6 +218,8 @@ def test_rows_of_a_column_piece_step_as_one_piece(bits, backend):
     check_column_rows(bits, backend)
 
 
+@pytest.mark.triton
+@pytest.mark.slow
 def test_rows_of_a_column_piece_step_as_one_piece_on_triton():
     _on_triton("check_column_rows")
 

@@ -42,6 +42,8 @@ from dist_util import read_results, resume_drift, torchrun
 from test_fsdp import SPLIT_LOSS_TOL
 from test_fsdp_elastic import NEW_WORLD_TOL, SAME_WORLD_TOL
 
+pytestmark = pytest.mark.dist
+
 STEPS, BITS, WORLD = 5, 8, 4
 TP_LOSS_TOL = SPLIT_LOSS_TOL  # the FSDP tests' bounds
 FULL_RESUME_TOL, ONE_PROCESS_TOL = SAME_WORLD_TOL, NEW_WORLD_TOL

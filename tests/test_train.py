@@ -11,6 +11,8 @@ from gefen_dist.demo.corpus import get_batch, load_corpus
 from gefen_dist.demo.model import GPT, GPTConfig
 from gefen_dist.demo.train import full_config, lr_lambda, run
 
+pytestmark = pytest.mark.unit
+
 torch.set_num_threads(1)
 
 TINY = dict(
@@ -90,6 +92,7 @@ def test_same_seed_same_result_other_seed_differs(tiny_runs):
     assert a["final_val_loss"] != c["final_val_loss"]
 
 
+@pytest.mark.slow
 def test_cli_end_to_end(tmp_path):
     out = tmp_path / "r.json"
     cmd = [

@@ -701,6 +701,7 @@ print(len(out), "variants compiled")
 """
 
 
+@pytest.mark.slow
 def test_every_variant_compiles_for_sm90_without_contraction():
     """In a subprocess without the interpreter, every kernel variant compiles for sm_90 with
     the launch options (no GPU needed: triton's own ptxas), and the PTX holds no FMA, no

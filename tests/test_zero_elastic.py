@@ -30,6 +30,8 @@ from dist_util import deepspeed_run, read_results, resume_drift
 from gefen_dist import Gefen, checkpoint
 from gefen_dist.demo.model import GPT, GPTConfig
 
+pytestmark = pytest.mark.dist
+
 STEPS, SAVE_AT = 30, 10
 FIRST_TOL, DRIFT_TOL = 1e-6, 1e-3
 SAVES = {"z1x2": 1, "z2x2": 2, "z3x2": 3}  # name: ZeRO stage, all on 2 ranks
