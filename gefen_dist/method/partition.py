@@ -25,7 +25,7 @@ The rule, exactly:
    choice among the candidates of at most a row, or the row itself where none of them has a
    clear jump.
 5. Columns: for a tensor of at least two dims with at least MIN_BLOCK rows of at most MAX_BLOCK
-   elements, the strided reading of "period" (METHOD.md, 2) is a candidate too: period P = the
+   elements, the strided reading of "period" (docs/method.md 1.4) is a candidate too: period P = the
    row length, block j = the elements at flat index = j mod P, i.e. column j of the (rows, P)
    view. Its R_col is computed as in step 2 with P blocks of n / P elements; grouping coarser
    than a column is the whole tensor, so its jump is 1 / R_col. Columns win, stored as B = -P,
