@@ -118,7 +118,8 @@ def test_a_best_lr_won_by_a_lucky_sweep_seed_is_flagged():
     fine = {"adamw": dict(val_loss=dict(mean=0.066, values=[0.037, 0.105, 0.055]))}
     x = sweep.selection(sweep_pts, best, fine)["adamw"]
     assert x["holds"] is True
-    assert "every best lr holds" in sweep_report._selection_lines(dict(selection={"adamw": x}), 1)[0]
+    lines = sweep_report._selection_lines(dict(selection={"adamw": x}), 1)
+    assert "every best lr holds" in lines[0]
 
 
 def test_sweep_keys_never_collide_with_fixed_lr_keys():
