@@ -1,13 +1,16 @@
-"""Gefen's step under each CPU update backend (C++, numba, reference) in one process.
+"""Gefen's step under each CPU update backend (the C++ kernel, the reference) in one process.
 
 Why one process, the backends taking turns step by step: a machine busy with other work then
-slows all three alike, and the ratio to the reference holds where absolute times do not. Each
+slows them alike, and the ratio to the reference holds where absolute times do not. Each
 backend steps its own copy of the same parameters over the same gradients
-(``step_speed.py``'s sets). Written to decide whether the numba update earns its place beside
-the C++ kernel and the reference.
+(``step_speed.py``'s sets); the last backend named is the one the others are divided by. It
+decided that the numba update did not earn its place beside the C++ kernel (1.6-1.9x the
+reference where the kernel is 34-59x: ``results/step_speed/backends_gpt_*bit.json``, from a
+revision that still had it; ``docs/history.md``), and it times the kernel against the
+reference the kernel falls back to.
 
     python benchmarks/backend_speed.py [--set gpt] [--bits 4] [--rounds 40] [--threads 1]
-        [--backends native,numba,reference] [--json out.json]
+        [--backends native,reference] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from step_speed import Feed, make_problem  # noqa: E402
 
 from gefen_dist import Gefen  # noqa: E402
+from gefen_dist.backends.dispatch import BACKENDS  # noqa: E402
 
 
 def main() -> None:
@@ -40,14 +44,21 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--backends", default="native,numba,reference")
+    ap.add_argument(
+        "--backends",
+        default="native,reference",
+        help=f"comma list of {', '.join(BACKENDS)}; the last is the one the others divide",
+    )
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    names = a.backends.split(",")
+    if any(b not in BACKENDS for b in names) or len(set(names)) != len(names):
+        ap.error(f"--backends {a.backends!r}: each of {', '.join(BACKENDS)} at most once")
     warnings.simplefilter("ignore")
     torch.set_num_threads(a.threads)
     base, grads = make_problem(a.set)
     runs = {}
-    for b in a.backends.split(","):
+    for b in names:
         params = [torch.nn.Parameter(p.detach().clone()) for p in base]
         for p, q in zip(params, base, strict=True):
             p.grad = q.grad.clone()
@@ -55,7 +66,7 @@ def main() -> None:
         opt.backend = b
         runs[b] = opt, Feed(params, grads), []
     del base
-    for _ in range(3):  # the state, the codebook, numba's compilation
+    for _ in range(3):  # the state, the codebook, the kernel's build
         for opt, feed, _ in runs.values():
             opt.step()
             feed()

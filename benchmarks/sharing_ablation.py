@@ -19,17 +19,17 @@ expectation. Comparing the two says how much of a task's gap that dead zone is.
 
 ``--second-moment shared`` is another diagnostic: Gefen without its cross factor, one v per block
 as the seeds describe (``reference``, the factor). It measures what the factor earns
-(``results/factored_v.md``).
+(``research/results/factored_v_diagnostic.md``).
 
 ``--second-moment current`` (through the reference update): the cross factor from this step's
 own fold, as Gefen had it before e80940f, where it now takes the factor from v_cross as the
-steps before left it. ``results/stale_factor.md`` ran the same pair the other way round, at
+steps before left it. ``research/results/stale_factor.md`` ran the same pair the other way round, at
 9b5b00c, as ``stale`` against the then as-built: what the one step of lag costs.
 
 ``--lr-factor F`` trains at F x the task's lr, exactly as ``python -m gefen_dist.bench compare
 --lr-sweep`` does (``sweep.swept``: the peak lr scaled, schedule and everything else unchanged),
 so a gap the sweep reports at AdamW's best lr can be taken apart at that lr (the GRU's is x3,
-``results/gru_high_lr.md``).
+``research/results/gru_high_lr.md``).
 
 ``--out runs.jsonl`` appends every run's record (config, seed, lr factor, diagnostics, final
 metrics, chosen blocks, a hash of the package's sources) and reuses a record with the same key

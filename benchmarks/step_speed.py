@@ -19,7 +19,7 @@ fixed gradient m converges and every m / absmax settles next to a codebook level
 never does. The 8-bit kernel used to find most codes with one table load and walk one by one to
 the rest, many elements in training but almost none on one fixed gradient: the demo GPT's 8-bit
 step read 3.7 ms on one gradient (README's table at 31d76eb) and 10.1 ms on three in turn
-(results/step_speed/step_ab_grid8.json, its base rows).
+(research/results/step_speed/step_ab_grid8.json, its base rows).
 
     python benchmarks/step_speed.py [--sets gpt,100m] [--steps 20] [--threads 2] [--rounds 3]
         [--json out.json]

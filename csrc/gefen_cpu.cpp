@@ -229,7 +229,8 @@ void levels4(const float* levels, Levels4& l) {
 // Why not codes.code_table's answer for most cells and a walk from its start for the rest (the
 // numba backend's way): in training many elements fall in a cell with a midpoint, and walking
 // those one by one, on branches that mispredict, made the 8-bit step 2.9x
-// (demo GPT) and 3.5x (100M set) as slow as this (results/step_speed/step_ab_grid8.json).
+// (demo GPT) and 3.5x (100M set) as slow as this
+// (research/results/step_speed/step_ab_grid8.json).
 constexpr int kCells8 = 8192;
 struct Levels8 {
   std::vector<int64_t> pair;
@@ -300,8 +301,8 @@ alignas(64) constexpr std::array<uint8_t, 64> kDecode8Order = decode8_order();
 // with VBMI and ``l8``: 64 codes at a time, each of a level's four bytes from its 256-byte plane
 // (two two-register byte permutes and a blend on the code's top bit), the four planes then
 // interleaved into floats by unpacks; 22 operations per 64 codes where the 16-lane float
-// permutes take 18 per 16 (results/step_speed/kernel_ab_decode8.json: 0.90x the 100M set's
-// 8-bit step, 0.91x the demo GPT's).
+// permutes take 18 per 16 (research/results/step_speed/kernel_ab_decode8.json: 0.90x the
+// 100M set's 8-bit step, 0.91x the demo GPT's).
 inline void decode(const uint8_t* codes, int64_t lo, int64_t hi, bool four, const float* levels,
                    const Levels4* l4, float* buf, const Levels8* l8 = nullptr) {
   if (!four) {
@@ -411,8 +412,8 @@ inline void encode(uint8_t* codes, int64_t lo, int64_t hi, bool four, const int3
 // The next block's (or column row's) parameter and gradient, which requantize_range prefetches
 // while it computes: the update loop before it waits on memory, requantize on arithmetic. A line
 // of each per 16 elements, spread through the loop rather than issued at once before it
-// (the burst was 7609be4: 0.79x / 0.90x its 4- / 8-bit 100M step, results/step_speed/
-// kernel_ab_prefetch.json).
+// (the burst was 7609be4: 0.79x / 0.90x its 4- / 8-bit 100M step,
+// research/results/step_speed/kernel_ab_prefetch.json).
 struct Prefetch {
   const char* p;
   int64_t p_bytes;
@@ -606,7 +607,7 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
 #pragma omp simd
     for (int64_t i = 0; i < e; ++i) x[i] = buf[c0 + i] / (kPer ? scale[c0 + i] : scale_one);
     // the table loads (GCC gathers them) in loops of their own, as the code table's before
-    // (results/step_speed/kernel_ab_lut_loads.json)
+    // (research/results/step_speed/kernel_ab_lut_loads.json)
 #pragma omp simd
     for (int64_t i = 0; i < e; ++i) k[i] = static_cast<int32_t>(pair[cell8(x[i])]);
     int32_t* __restrict out = idx + c0;
@@ -857,7 +858,8 @@ void block_run(const Segment& b, int64_t j0, int64_t j1, float* buf, float* othe
     const float next = j + 1 < j1 ? block_move<PT, GT>(b, j + 1, other) : 0.0f;
     const int64_t lo = b.lo(j), hi = b.hi(j), ahead = b.lo(j + 2);
     // and, at once, the codes that block's move decodes (an eighth or a quarter of its p and g
-    // traffic): without this the move waited on them (results/step_speed/kernel_ab_codes.json)
+    // traffic): without this the move waited on them
+    // (research/results/step_speed/kernel_ab_codes.json)
     const int64_t after = b.hi(j + 2);
     const int64_t c0 = b.four ? ahead / 2 : ahead, c1 = b.four ? (after + 1) / 2 : after;
     for (int64_t c = c0; c < c1; c += 64) __builtin_prefetch(b.codes + c);
@@ -1133,7 +1135,7 @@ struct Prep {
 // GCC's loop in cross_sums adds the other rows (lane j mod 16 in two registers, then lanes 0 to
 // 15 one by one; tests/test_cpu_kernels.py holds it to that), prefetching the line kRowAhead
 // bytes on, before ``end``: left to the hardware, this pass read g at well under the speed of
-// a plain read of it (results/step_speed/kernel_ab_rowahead.json).
+// a plain read of it (research/results/step_speed/kernel_ab_rowahead.json).
 constexpr int64_t kRowAhead = 16384;
 inline double row_sums16(const float* __restrict row, double* __restrict acc, int64_t n,
                          const float* end) {

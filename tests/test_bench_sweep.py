@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gefen_dist.bench import compare, store, suite, sweep, tasks
+from gefen_dist.bench import compare, store, suite, sweep, sweep_report, tasks
 
 pytestmark = pytest.mark.unit
 
@@ -115,12 +115,13 @@ def test_a_best_lr_won_by_a_lucky_sweep_seed_is_flagged():
     lucky = {"adamw": dict(val_loss=dict(mean=0.080, values=[0.037, 0.106, 0.097]))}
     x = sweep.selection(sweep_pts, best, lucky)["adamw"]
     assert x["runner_up"] == 3.0 and x["holds"] is False
-    text = "\n".join(sweep._selection_lines(dict(selection={"adamw": x}), 1))
+    text = "\n".join(sweep_report._selection_lines(dict(selection={"adamw": x}), 1))
     assert "AdamW's best lr ×10 rests on a lucky sweep draw" in text
     fine = {"adamw": dict(val_loss=dict(mean=0.066, values=[0.037, 0.105, 0.055]))}
     x = sweep.selection(sweep_pts, best, fine)["adamw"]
     assert x["holds"] is True
-    assert "every best lr holds" in sweep._selection_lines(dict(selection={"adamw": x}), 1)[0]
+    lines = sweep_report._selection_lines(dict(selection={"adamw": x}), 1)
+    assert "every best lr holds" in lines[0]
 
 
 def test_sweep_keys_never_collide_with_fixed_lr_keys():

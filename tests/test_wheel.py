@@ -1,4 +1,5 @@
-"""An installed wheel runs the C++ CPU kernel, built from the source it ships.
+"""An installed wheel runs the C++ CPU kernel, built from the source it ships, and ships what
+users run: the package whole, ``python -m gefen_dist.bench`` included, and nothing else.
 
 Why: the kernel's source lives in the top-level ``csrc/``, outside the package; a wheel once
 left it behind, and an installed Gefen then ran a slower fallback (1.7x) with only a
@@ -6,7 +7,9 @@ warning to show for it. Every test run from a checkout reads ``csrc/`` directly,
 would notice. One wheel is built straight from the tree (``pip install .``), one from an sdist
 (MANIFEST.in), and the first is installed in a fresh venv outside the repository that sees the
 system's torch and numba but not the checkout: the editable install's finder in the system site
-must not win, and the kernel must build (into an empty cache) from the wheel's copy.
+must not win, and the kernel must build (into an empty cache) from the wheel's copy. The wheel
+keeps ``gefen_dist.bench`` and ``gefen_dist.demo`` (pyproject.toml says why): the comparison's
+command must start from the install, and ``import gefen_dist`` must not import either.
 """
 
 import json
@@ -30,7 +33,7 @@ NOT_COPIED = shutil.ignore_patterns(
 )
 
 STEP = """
-import json, os
+import json, os, sys
 import torch
 import gefen_dist
 from gefen_dist import Gefen
@@ -53,6 +56,7 @@ print(json.dumps(dict(
     moved=all(bool((a != p).any()) for a, p in zip(before, model.parameters())),
     finite=all(bool(p.isfinite().all()) for p in model.parameters()),
     built=sorted(os.listdir(cache)) if os.path.isdir(cache) else [],
+    loaded=sorted(m for m in sys.modules if m.startswith("gefen_dist")),
 )))
 """
 
@@ -98,6 +102,10 @@ def test_installed_wheel_builds_and_runs_the_packaged_kernel(tmp_path):
             assert z.read(PACKAGED) == (ROOT / "csrc" / "gefen_cpu.cpp").read_bytes(), w
         assert not [n for n in names[w] if "gefen_cuda" in n], w
     assert names[wheel] == names[from_sdist]
+    # the package and nothing of the repository's own: no benchmarks/, research/, launch/, tests/
+    assert {n.split("/")[0] for n in names[wheel]} == {"gefen_dist"}, sorted(names[wheel])
+    for shipped in ("gefen_dist/bench/__main__.py", "gefen_dist/demo/model.py"):
+        assert shipped in names[wheel], shipped
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], tmp_path)
@@ -122,3 +130,17 @@ def test_installed_wheel_builds_and_runs_the_packaged_kernel(tmp_path):
     assert got["backend"] == "native-cpu", got
     assert got["moved"] and got["finite"], got
     assert [n for n in got["built"] if n.startswith("gefen_cpu_") and n.endswith(".so")], got
+    assert not [m for m in got["loaded"] if m.startswith(("gefen_dist.bench", "gefen_dist.demo"))]
+
+    # the documented comparison starts from the install: without a subcommand it lists them
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bench = subprocess.run(
+        [str(python), "-m", "gefen_dist.bench"],
+        cwd=run,
+        capture_output=True,
+        text=True,
+        env=clean,
+        timeout=300,
+    )
+    assert bench.returncode == 2, bench.stderr[-2000:]
+    assert all(c in bench.stderr for c in ("compare", "memory", "capacity")), bench.stderr

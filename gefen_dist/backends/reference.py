@@ -1,6 +1,6 @@
 """The reference update: the readable spec of one Gefen step on one segment, in plain PyTorch.
 
-Every native kernel is tested against these functions. Per block of B elements (METHOD.md, 4):
+Every native kernel is tested against these functions. Per block of B elements (docs/method.md, 3):
 
     m     = levels[code] * absmax                      dequantise
     m     = b1 * m + (1 - b1) * g                      (lerp, as AdamW)
@@ -57,7 +57,7 @@ half a bf16 spacing; unbiased rounding adds noise instead, a relative SD in v of
 the sampling noise of AdamW's own v (3 % for Gaussian g at b2 = 0.999) and far below the spread a
 shared block v carries.
 
-Rounding: METHOD.md says nearest level, and 8-bit codes do that. At 4 bits nearest rounding has a
+Rounding: the method says nearest level, and 8-bit codes do that. At 4 bits nearest rounding has a
 dead zone that costs quality: an entry whose change in one step, (1 - b1) * (g - m), is under
 half a level spacing keeps its code, so a first moment whose gradient has gone quiet stops
 decaying and keeps moving the parameter. 4-bit codes therefore round stochastically between the

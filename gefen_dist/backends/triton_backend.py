@@ -1,7 +1,7 @@
 """The Triton backend (``triton_kernels.py``): Gefen's update on CUDA tensors, and on CPU tensors
 under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first imported), so CI
-runs the GPU kernels themselves on a machine without a GPU. It replaces the CUDA C++ backend
-(``native_cuda``, csrc/gefen_cuda.cu) with the same API: ``supports``, ``available``,
+runs the GPU kernels themselves on a machine without a GPU. It replaced a CUDA C++ backend
+(removed: docs/history.md) and kept its API: ``supports``, ``available``,
 ``build_error``, ``step`` (returning the plan it ran) and ``launch_step``, ``cross_table``
 (``cross_plan``, ``launch_cross``), ``factors``, ``histogram``, ``agree``, ``DTYPES``; a plan
 kept from one step to the next can rewrite ``StepPlan.ints`` / ``floats`` at ``rows`` (the
@@ -766,7 +766,7 @@ def agree(
     what: str,
 ) -> None:
     """Raise unless one step of the kernel (``p``, ``st``) matches the reference's from the same
-    state (native_cuda's, moved here unchanged). The reference runs torch's kernels, which
+    state (the CUDA backend's, moved here unchanged). The reference runs torch's kernels, which
     contract multiply-adds (and on this CPU's torch take a square root that is not correctly
     rounded) where these kernels do neither, so an fp32 result can sit an ulp away, and a code
     flips where m / absmax lies within that ulp of a midpoint or of its stochastic threshold:

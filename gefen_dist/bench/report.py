@@ -1,4 +1,6 @@
 """The comparison's report: report.md, results.json and three small PNGs, from stored records.
+Its statistics (``summarize``, ``goals``) serve the lr sweep's report too; the header, cells,
+palette and panels both reports draw with are ``render``'s.
 
 Statistics, and why: every optimizer of a task runs the same seeds with the same init and data
 order, so differences to AdamW are taken per seed (paired), which cancels most of the
@@ -12,30 +14,15 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from gefen_dist.bench import peers, store, tasks
+from gefen_dist.bench import peers, render, tasks
+from gefen_dist.bench.render import diff, pm
 
 GEFEN = {"gefen8": (0.01, 0.005), "gefen4": (0.02, 0.005)}
 """Goal (b): allowed relative val-loss gap (LM tasks) and accuracy gap (classification)."""
-
-COLORS = {
-    "adamw": "#111111",
-    "gefen8": "#d62728",
-    "gefen4": "#ff7f0e",
-    "gefen4_bf16": "#bcbd22",
-    "gefen4_bf16_sr": "#e377c2",
-    "bnb_adamw8bit": "#1f77b4",
-    "torchao_adamw8bit": "#17becf",
-    "torchao_adamw4bit": "#9edae5",
-    "adam_mini": "#2ca02c",
-    "adafactor": "#9467bd",
-    "sm3": "#8c564b",
-}
 
 
 def _t_crit(df: int) -> float:
@@ -198,23 +185,6 @@ def goals(summary: dict[str, Any], chosen: list[tasks.Task]) -> dict[str, Any]:
 
 
 # -- writing ----------------------------------------------------------------------------------
-def _pm(c: dict | None, fmt: str, scale: float = 1.0) -> str:
-    if not c:
-        return ""
-    sd = c["std"]
-    s = f"{c['mean'] * scale:{fmt}}"
-    return s + (f" ± {sd * scale:{fmt}}" if sd == sd else "")
-
-
-def _diff(c: dict | None, pct: bool, scale: float = 1.0) -> str:
-    if not c or "diff" not in c:
-        return "" if not c else "—"
-    s = f"{100 * c['rel']:+.2f} %" if pct else f"{c['diff'] * scale:+.2f} pt"
-    z = f"{c['diff_sd']:+.1f} σ" if c.get("diff_sd") is not None else "n/a"
-    t = f"t {c['t']:+.1f}" if c.get("t") is not None else ""
-    return f"{s} ({z}{', ' + t if t else ''})"
-
-
 def markdown(
     summary: dict,
     g: dict,
@@ -227,7 +197,7 @@ def markdown(
     jobs: int = 2,
 ) -> str:
     L = ["# Gefen against its peers: quality, state and step time", ""]
-    L += header(cmd, rev, ignored, wall, jobs)
+    L += render.header(cmd, rev, ignored, wall, jobs)
     L += [
         "Every optimizer of a task: same init, same data order and the same warmup + cosine "
         "schedule for each seed; the AdamW-like methods (Gefen, bitsandbytes, torchao, "
@@ -255,35 +225,24 @@ def markdown(
     L += _goal_lines(g)
     L += ["", "![validation loss](loss_curves.png)", ""]
     for task in chosen:
-        h = task.hyper
-        L += [
-            f"## {task.name}: {task.label}",
-            "",
-            f"{summary[task.name].get('adamw', {}).get('params', '?')} parameters; "
-            f"{h.steps} steps, lr {h.lr:g}, betas {h.betas}, weight decay {h.weight_decay:g}, "
-            f"warmup {h.warmup_frac:.0%}, cosine to {h.min_lr_frac:.0%}, clip {h.grad_clip:g}; "
-            f"sizes {json.dumps(task.sizes)}",
-            "",
-        ]
+        params = summary[task.name].get("adamw", {}).get("params", "?")
+        L += [f"## {task.name}: {task.label}", "", render.task_line(task, params), ""]
         cls = task.kind == "cls"
         head = "| optimizer | val loss | Δ loss vs AdamW |"
         if cls:
             head += " val acc % | Δ acc vs AdamW |"
         head += " bytes/param | step ms | seeds |"
-        L += [head, "|" + "---|" * (head.count("|") - 1)]
+        L += render.table(head)
         for opt in optimizers:
             c = summary[task.name][opt]
             if c["status"] not in ("ok", "partial"):
-                L.append(f"| {c['label']} | skipped: {c['reason'][:150]} |")
+                L.append(render.row([c["label"], f"skipped: {c['reason'][:150]}"]))
                 continue
-            row = f"| {c['label']} | {_pm(c['val_loss'], '.4f')} | {_diff(c['val_loss'], True)} |"
+            cells = [c["label"], pm(c["val_loss"], ".4f"), diff(c["val_loss"], True)]
             if cls:
-                row += (
-                    f" {_pm(c.get('val_acc'), '.1f', 100)} |"
-                    f" {_diff(c.get('val_acc'), False, 100)} |"
-                )
-            row += f" {c['bytes_per_param']:.3f} | {c['step_ms']:.1f} | {len(c['seeds'])} |"
-            L.append(row)
+                cells += [pm(c.get("val_acc"), ".1f", 100), diff(c.get("val_acc"), False, 100)]
+            cells += [f"{c['bytes_per_param']:.3f}", f"{c['step_ms']:.1f}", str(len(c["seeds"]))]
+            L.append(render.row(cells))
             if c["status"] == "partial":
                 L.append(f"| ↳ {c['reason'][:150]} |")
         L += [""] + _fallback_lines(summary[task.name], task, g) + [""]
@@ -296,28 +255,6 @@ def markdown(
         "",
     ]
     return "\n".join(L)
-
-
-def header(cmd: str, rev: dict, ignored: dict, wall: str, jobs: int = 2) -> list[str]:
-    """Command, machine and revision lines: what a reader needs to reproduce a report or to see
-    that two reports are not comparable (the lr-sweep report shares them)."""
-    return [
-        f"Command: `{cmd}`  ",
-        f"Machine: {platform.machine()} ({store.cpu_model()}), {_cores()} cores, torch "
-        f"{_torch()}, Python "
-        f"{platform.python_version()}, one torch thread per run, at most {jobs} runs at once.  ",
-        f"Code revision (last commit touching `gefen_dist/`): `{rev['code']}`, HEAD "
-        f"`{rev['head']}`. Only records of this revision and these settings are used"
-        + (
-            f"; ignored {sum(ignored.values())} stored record(s) of other revisions "
-            f"({', '.join(ignored)})."
-            if ignored
-            else "."
-        )
-        + "  ",
-        f"Written {time.strftime('%Y-%m-%d %H:%M')}. {wall}",
-        "",
-    ]
 
 
 def _goal_lines(g: dict) -> list[str]:
@@ -354,25 +291,8 @@ def _goal_lines(g: dict) -> list[str]:
         if "note" in x:
             L.append(f"- {x['task']}, {x['gefen']}: MISSED ({x['note']})")
             continue
-        L.append(f"- {x['task']}, {x['gefen']}: {goal_verdict(x)}")
+        L.append(f"- {x['task']}, {x['gefen']}: {render.goal_verdict(x)}")
     return L
-
-
-def goal_verdict(x: dict, tol: float | None = None) -> str:
-    """One Gefen's goal (b) row as a line's end: its Δ, then met or MISSED and why; with
-    ``tol``, the allowance after the Δ."""
-    loss = x["metric"] == "val_loss"
-    what = (
-        f"{100 * x['rel']:+.2f} % val loss" if loss else f"{100 * x['diff']:+.2f} accuracy points"
-    )
-    if tol is not None:
-        what += f" (allowed +{100 * tol:g} %)" if loss else f" (allowed -{100 * tol:g})"
-    why = []
-    if not x["within_tolerance"]:
-        why.append("outside the tolerance")
-    if x["significantly_worse"]:
-        why.append(f"significantly worse (t {x['t']:+.1f} > {x['t_crit']:.2f})")
-    return f"{what}: " + ("met" if x["ok"] else "MISSED, " + " and ".join(why))
 
 
 def _fallback_lines(cells: dict, task: tasks.Task, g: dict) -> list[str]:
@@ -392,11 +312,7 @@ def _fallback_lines(cells: dict, task: tasks.Task, g: dict) -> list[str]:
             + (" — above a momentum peer; those tensors:" if name in missed else ".")
         )
         if name in missed:
-            L += [
-                "",
-                "| tensor | shape | numel | block sizes | state bytes |",
-                "|---|---|---|---|---|",
-            ]
+            L += ["", *render.table("| tensor | shape | numel | block sizes | state bytes |")]
             L += [
                 f"| {t['name'].split(chr(39))[1] if chr(39) in t['name'] else t['name']} | "
                 f"{tuple(t['shape'])} | {t['numel']} | "
@@ -407,31 +323,12 @@ def _fallback_lines(cells: dict, task: tasks.Task, g: dict) -> list[str]:
     return L
 
 
-def _cores() -> int:
-    import os
-
-    return os.cpu_count() or 0
-
-
-def _torch() -> str:
-    import torch
-
-    return torch.__version__
-
-
 # -- figures ----------------------------------------------------------------------------------
 def figures(out: Path, summary: dict, chosen: list[tasks.Task], optimizers: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams.update({"font.size": 8, "axes.spines.top": False, "axes.spines.right": False})
-    n = len(chosen)
-    cols = min(3, n)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.7 * rows), squeeze=False)
-    for ax, task in zip(axes.flat, chosen, strict=False):
+    """loss_curves.png (a panel per task), state_bytes.png and step_time.png (a bar per
+    optimizer, a panel per task)."""
+    p = render.panels(len(chosen), 3.6, 2.7)
+    for ax, task in zip(p.axes, chosen, strict=False):
         cells = summary[task.name]
         tail = []
         for opt in optimizers:
@@ -444,7 +341,7 @@ def figures(out: Path, summary: dict, chosen: list[tasks.Task], optimizers: list
             ax.plot(
                 xs,
                 ys,
-                color=COLORS.get(opt),
+                color=render.COLORS.get(opt),
                 lw=lw,
                 label=c["label"],
                 zorder=3 if opt in GEFEN or opt == "adamw" else 2,
@@ -458,20 +355,10 @@ def figures(out: Path, summary: dict, chosen: list[tasks.Task], optimizers: list
         ax.set_xlabel("step")
         ax.set_ylabel("val loss")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    if n < rows * cols:
-        list(axes.flat)[-1].legend(handles, labels, loc="center", frameon=False)
-    else:  # no spare panel: the legend goes beside the panels
-        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    fig.suptitle(
-        "Validation loss (mean over seeds; y zoomed on the last 70 % of training)", fontsize=9
-    )
-    fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=90, bbox_inches="tight")
-    plt.close(fig)
+    title = "Validation loss (mean over seeds; y zoomed on the last 70 % of training)"
+    render.save_panels(p, title, out / "loss_curves.png")
 
+    plt, n = p.plt, len(chosen)
     for key, fname, xlabel in (
         ("bytes_per_param", "state_bytes.png", "optimizer state, bytes per parameter (AdamW = 8)"),
         ("step_ms", "step_time.png", "median step time, ms (1 thread)"),
@@ -483,7 +370,7 @@ def figures(out: Path, summary: dict, chosen: list[tasks.Task], optimizers: list
             cells = summary[task.name]
             ys = list(range(len(optimizers)))[::-1]
             vals = [cells.get(o, {}).get(key, 0.0) or 0.0 for o in optimizers]
-            ax.barh(ys, vals, color=[COLORS.get(o) for o in optimizers], height=0.7)
+            ax.barh(ys, vals, color=[render.COLORS.get(o) for o in optimizers], height=0.7)
             for y, v, o in zip(ys, vals, optimizers, strict=True):
                 txt = f"{v:.2f}" if key == "bytes_per_param" else f"{v:.0f}"
                 if cells.get(o, {}).get(key) is None:

@@ -25,7 +25,7 @@ The rule, exactly:
    choice among the candidates of at most a row, or the row itself where none of them has a
    clear jump.
 5. Columns: for a tensor of at least two dims with at least MIN_BLOCK rows of at most MAX_BLOCK
-   elements, the strided reading of "period" (METHOD.md, 2) is a candidate too: period P = the
+   elements, the strided reading of "period" (docs/method.md 1.4) is a candidate too: period P = the
    row length, block j = the elements at flat index = j mod P, i.e. column j of the (rows, P)
    view. Its R_col is computed as in step 2 with P blocks of n / P elements; grouping coarser
    than a column is the whole tensor, so its jump is 1 / R_col. Columns win, stored as B = -P,
@@ -46,8 +46,8 @@ projections of an initialised Llama-3 are of that kind, and kept per-element sta
 ALIKE = 0.5 lets the elements' variances spread by a CV of 0.7: with lognormal variances, one
 shared v then moves each step by an RMS of 0.5 |ln(v_i / v_block)| ~ 0.33 at g0, the size of the
 error the rule's own blocks carry later in training (0.24-0.35 at step 440 on the GRU,
-``benchmarks/sharing_drift.py``); inside the blocks it chooses, c is -0.2 to 0.42 at g0
-(``python benchmarks/alike.py`` prints both c's per tensor and seed).
+``research/sharing_drift.py``); inside the blocks it chooses, c is -0.2 to 0.42 at g0
+(``python research/alike.py`` prints both c's per tensor and seed).
 
 Why rows before multi-row blocks (step 4): the largest jump can sit above a finer structure the
 same test also finds. A GRU's stacked gate matrices (576 = 3 gates x 192 rows) have g0^2 that
@@ -58,13 +58,13 @@ A block of a whole gate leaves 3 blocks, under MIN_CROSS_BLOCKS, so the tensor a
 factor: one v and one absmax for 36864 elements whose rows differ, and g0's gate structure is the
 untrained cell's (from step ~20 on, the same rule on that step's gradient picks rows). At AdamW's
 best lr (x3) the 8-bit gap to AdamW over 6 paired seeds went from +1.28 % (t +1.0; +5.8 % on a
-seed with two gate blocks) to -3.78 % (t -2.8) with rows (``results/gru_high_lr.md``). Blocks of
-several alike rows (heads: R(head) ~ R(row)) still form; a row costs ~(4 + 4) / row bytes per
-parameter more than a gate, +0.048 on the GRU with both matrices affected.
+seed with two gate blocks) to -3.78 % (t -2.8) with rows (``research/results/gru_high_lr.md``).
+Blocks of several alike rows (heads: R(head) ~ R(row)) still form; a row costs ~(4 + 4) / row
+bytes per parameter more than a gate, +0.048 on the GRU with both matrices affected.
 
 Why columns: the first gradients of some weights vary along the input axis, not the output axis
 (an MLP's down projection: within-row R 0.93, within-column 0.69, measured by
-``benchmarks/row_col_structure.py``). Contiguous blocks cannot express that, so those tensors fell
+``research/row_col_structure.py``). Contiguous blocks cannot express that, so those tensors fell
 back to B = 1 and per-element state (4 bytes/param; 8 while it was fp32).
 
 Why the largest jump rather than the first: real first gradients have small dips at fine scales
