@@ -1,12 +1,13 @@
 """The GPU path in one go, most informative first, inside a hard deadline: what it has is on disk.
 
-On a lent H200, from the repository root, with nothing installed (``run``'s ``carry``:
-``[".peers"]`` where ``--fetch-peers`` made that folder, see docs/gpu.md):
+On a lent H200, from the repository root, with nothing installed (allow the command 330 s, and
+carry the git-ignored ``.peers`` folder where ``--fetch-peers`` made one: docs/gpu.md):
 
-    PYTHONPATH=. timeout -s INT 300 python launch/gpu_check.py --out "$OUT"
+    PYTHONPATH=. timeout -s INT 300 python3 launch/gpu_check.py --out "$OUT"
 
 It stops itself at ``--budget-s`` (270 s by default) and ``timeout`` backs that up. With the
-machine's start (1-2 minutes) one run takes about 6.5 of the 15 device-minutes, leaving a rerun.
+machine's start (1-2 minutes) one run takes at most about 7.5 of the 15 device-minutes, leaving
+a rerun.
 
 On the CPU, the same script under Triton's interpreter (``TRITON_INTERPRET=1``: the kernels run
 on CPU tensors, slowly, so ``--interpret`` picks tiny sizes by itself); CI runs it this way:
@@ -73,6 +74,7 @@ GOAL_FIRST = 10.0  # Gefen's first step (partition, histogram, codebook) at most
 BUDGET_S = 270.0
 BUDGET_INTERPRET_S = 3600.0  # the interpreter's default: its speed is the host's
 STARTUP_S = 120.0  # a worker's imports before its first item, at most
+LOG_CAP = 8 << 20  # gpu_check.log's most bytes: a file that comes back must stay small
 INTERPRET_CAPS = 10.0
 """Under the interpreter every cap is this many times a GPU's (the deadline still holds): its
 speed is the host's, and a shared CI machine's varies."""
@@ -338,6 +340,7 @@ class Kit:
         proc.stdin.write(json.dumps(job).encode())
         proc.stdin.close()
         self.report["workers"].append(dict(pid=proc.pid, first=todo[0].name))
+        self.write()
         return proc, read
 
     def config(self) -> dict:
@@ -395,6 +398,7 @@ class Kit:
         limit = min(startup, max(0.0, self.left()))
         ended = "finished"
         started = False
+        fatal = None
         open_fds = 2
         while open_fds:
             for key, _ in sel.select(timeout=0.2):
@@ -406,7 +410,8 @@ class Kit:
                 if key.data == "output":
                     sys.stderr.buffer.write(data)
                     sys.stderr.flush()
-                    self.log.write(data)
+                    if self.log.tell() < LOG_CAP:
+                        self.log.write(data[: LOG_CAP - self.log.tell()])
                     continue
                 buf += data
                 while b"\n" in buf:
@@ -424,8 +429,12 @@ class Kit:
                         current, began = None, time.monotonic()
                         limit = min(startup, max(0.0, self.left()))
                         self.report.pop("current", None)
-            if self.stop or time.monotonic() - began > limit:
-                if self.stop:
+                        if item.section == "probe" and "error" in ev["result"]:
+                            fatal = "stopped: the probe raised (no usable device: probe.error)"
+            if fatal or self.stop or time.monotonic() - began > limit:
+                if fatal:
+                    ended = fatal
+                elif self.stop:
                     ended = self.stop
                 elif current is None:
                     ended = "deadline" if self.left() <= 1 else "no item started in time"
@@ -457,7 +466,7 @@ class Kit:
             self.report["workers"][-1]["error"] = why
             self.write()
             return todo, why
-        return todo, None
+        return todo, fatal
 
 
 def _cut(result: dict) -> bool:
@@ -548,7 +557,9 @@ def _fmt(x, spec: str = ".2f") -> str:
 
 def markdown(r: dict) -> str:
     p, h = r["probe"], r["host"]
-    lines = [f"# launch/gpu_check.py on {p.get('device') or h.get('nvidia_smi') or r['device']}"]
+    smi = h.get("nvidia_smi") or ""
+    gpu = smi.split(",")[0] if smi and "not found" not in smi and ":" not in smi else None
+    lines = [f"# launch/gpu_check.py on {p.get('device') or gpu or r['device']}"]
     lines += ["", f"`{r['command']}`", ""]
     lines.append(
         f"Status: **{r['status']}** after {r.get('elapsed_s', 0):.0f} s of a {r['budget_s']:.0f} s"
@@ -563,7 +574,10 @@ def markdown(r: dict) -> str:
         f"triton {pk.get('triton')}, numpy {pk.get('numpy')}; gcc: {h.get('gcc')}; Python.h: "
         f"{h.get('python_h')}; nvidia-smi: {h.get('nvidia_smi')}",
     ]
-    if p:
+    if p.get("error") or p.get("stopped"):
+        why = (p.get("error") or p.get("stopped") or "").strip().splitlines()[-1:]
+        lines.append(f"The probe did not finish: {' '.join(why)}")
+    elif p:
         lines.append(
             f"Copy bandwidth {_fmt((p.get('copy_bytes_per_s') or 0) / 1e9, '.0f')} GB/s; a "
             f"one-line Triton kernel {'ran' if p.get('smoke_ok') else 'FAILED'} in "

@@ -54,7 +54,7 @@ def _wait_for(out: Path, proc: subprocess.Popen, checks: int, timeout: float = 6
     raise AssertionError(f"no {checks} checks in {timeout} s")
 
 
-def _gone(pid: int, timeout: float = 20) -> bool:
+def _gone(pid: int, timeout: float = 5) -> bool:
     """The process has ended (a zombie counts: it runs nothing)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
