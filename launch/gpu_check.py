@@ -1,647 +1,757 @@
-"""The GPU path in one go: the Triton kernels against the reference, the whole optimizer, timing.
+"""The GPU path in one go, most informative first, inside a hard deadline: what it has is on disk.
 
-On a GPU (a lent H200: run as is, well inside 8 minutes; torch with CUDA, triton, numba):
+On a lent H200, from the repository root, with nothing installed (allow the command 330 s, and
+carry the git-ignored ``.peers`` folder where ``--fetch-peers`` made one: docs/gpu.md):
 
-    python launch/gpu_check.py --out "$OUT"
+    PYTHONPATH=. timeout -s INT 300 python3 launch/gpu_check.py --out "$OUT"
+
+It stops itself at ``--budget-s`` (270 s by default) and ``timeout`` backs that up. With the
+machine's start (1-2 minutes) one run takes at most about 7.5 of the 15 device-minutes, leaving
+a rerun.
 
 On the CPU, the same script under Triton's interpreter (``TRITON_INTERPRET=1``: the kernels run
-on CPU tensors, slowly, so every size is small); CI runs it this way, so the script is known to
-work end to end before a GPU ever runs it:
+on CPU tensors, slowly, so ``--interpret`` picks tiny sizes by itself); CI runs it this way:
 
-    python launch/gpu_check.py --interpret --scale 0.000004 --steps 2 --out DIR
+    python launch/gpu_check.py --interpret --out DIR
 
-1. Checks the kernels against the reference update, step by step from identical state: awkward
-   layouts (prime sizes, B = 1, odd block sizes and odd starts at 4 bits, a block of 50k
-   elements spanning many tiles, several tensors' pieces in one flat buffer as FSDP/ZeRO hand
-   them, cut blocks, column blocks whole and in pieces), 8 and 4 bits, fp32/bf16/fp16
-   parameters; the device g0 histogram against the CPU's (must be equal); the whole optimizer
-   as a user runs it (partition, histogram and codebook from real gradients on the device,
-   three steps, a checkpoint resumed) against the same on the CPU (``check_optimizer``); and,
-   on a GPU, launch/train.py on one NCCL rank under DDP and FSDP2 (``check_train``).
-2. Times one step on a ~1B-parameter set of 16 matrices (fp32, then bf16 parameters and
-   gradients) for fused AdamW, Gefen 4/8-bit and, where importable, bitsandbytes AdamW8bit and
-   torchao AdamW8bit/4bit; reports the median step, the ratio to fused AdamW and the bytes/s
-   each step must move against the device's measured copy bandwidth (a large ``copy_``), and
-   whether Gefen 4-bit meets its goals there (``goals``: at most 0.6x fused AdamW's step, at
-   least 70 % of copy bandwidth).
-3. Times fused AdamW and Gefen 4/8-bit on GPT-2 124M's 148 tensors (fp32): the same kernels
-   over many small tensors, so the per-tensor work on the host shows.
+In order, each item a result of its own:
 
-A failing check, or Gefen or fused AdamW failing to step, exits non-zero; a peer that is not
-importable or fails is reported as skipped. Under the interpreter the times are the
-interpreter's, not a GPU's: the report says so and judges no goal.
+0. the environment: here nvidia-smi, gcc, Python.h and the packages' versions (no torch); then
+   in the worker torch's view of the device, its copy bandwidth and a one-line Triton kernel
+   compiled and run;
+1. the kernels against the reference update on awkward layouts (prime sizes, B = 1, odd block
+   sizes and starts, a block of many tiles, many short blocks, column blocks whole and in
+   pieces, several tensors' pieces in one flat buffer as FSDP/ZeRO hand them), 4 and 8 bits,
+   fp32/bf16/fp16 parameters; the device's g0 histogram against the CPU's;
+2. the whole optimizer on the device against the CPU (partition, codebook, state bytes, three
+   steps, a resumed checkpoint);
+3. one step on ~1B parameters (16 matrices of 8192 x 8192), fp32: fused AdamW, then Gefen
+   4-bit, each with its construction and first step timed apart from the median ordinary step;
+4. the same in bf16, then Gefen 8-bit in fp32 and bf16;
+5. on a GPU, launch/train.py on one NCCL rank under DDP and under FSDP2, resumed from its own
+   checkpoint (90 s each at most);
+6. fused AdamW and Gefen on GPT-2 124M's 148 tensors (fp32), where per-tensor host work shows;
+7. bitsandbytes AdamW8bit and torchao AdamW8bit/4bit on the 1B set, where they import.
 
-Every timed step sees the next of three gradient sets, copied into ``.grad`` before it and
-outside its time (as benchmarks/step_speed.py: one fixed gradient lets m settle next to the
-codebook's levels, which training does not).
+Each item runs in a worker process (launch/gpu_items.py) that this one watches and never joins
+on the device: an item gets at most its own cap and never past the deadline, and one that
+overruns or kills its worker is recorded as such and the next item starts in a fresh worker.
+After every result ``gpu_check.json`` and ``gpu_check.md`` in ``--out`` are rewritten (a temp
+file renamed over the old) and the result is printed as one JSON line; the workers' output goes
+to stderr and ``gpu_check.log``. So SIGINT or SIGTERM (the report then says ``interrupted``),
+the deadline (``deadline``) or SIGKILL at any moment leave a readable report of what finished.
 
-Writes gpu_check.json and gpu_check.md to --out.
+Exit status: 0 all ran and passed; 1 a check failed, or Gefen or fused AdamW failed to step; 2
+stopped early (deadline, signal) with nothing failed. Under the interpreter the times are the
+interpreter's, not a GPU's: no speed goal is judged.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
 import os
+import platform
+import selectors
+import shutil
+import signal
+import subprocess
 import sys
+import sysconfig
+import time
+from pathlib import Path
 
-if "--interpret" in sys.argv:  # before anything imports triton, which reads it at import
-    os.environ["TRITON_INTERPRET"] = "1"
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "gpu_items.py"
 
-import argparse  # noqa: E402
-import functools  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
+GOAL_RATIO_4 = 0.6  # Gefen 4-bit's step at most this times fused AdamW's, on the 1B set
+GOAL_RATIO_8 = 0.8  # Gefen 8-bit's
+GOAL_COPY = 0.70  # Gefen 4-bit at least this share of the device's copy bandwidth
+GOAL_FIRST = 10.0  # Gefen's first step (partition, histogram, codebook) at most this many steps
+BUDGET_S = 270.0
+BUDGET_INTERPRET_S = 3600.0  # the interpreter's default: its speed is the host's
+STARTUP_S = 120.0  # a worker's imports before its first item, at most
+LOG_CAP = 8 << 20  # gpu_check.log's most bytes: a file that comes back must stay small
+INTERPRET_CAPS = 10.0
+"""Under the interpreter every cap is this many times a GPU's (the deadline still holds): its
+speed is the host's, and a shared CI machine's varies."""
+PEERS = {"torchao": "0.17.0", "bitsandbytes": "0.50.2"}
+"""The peers' versions ``--fetch-peers`` installs: torchao 0.17 is the one built against torch
+2.11 (the H200's); bitsandbytes ships its CUDA 13 library."""
+PEER_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64"]
+PEER_KEEP = ("libbitsandbytes_cpu.so", "libbitsandbytes_cuda13")
+"""bitsandbytes' own libraries kept: it loads the one for torch's CUDA (13.0 on the H200); those
+for CUDA 11/12, ROCm and XPU (115 MiB unpacked) are left out."""
 
-import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gefen_dist import Gefen, Segment  # noqa: E402
-from gefen_dist.backends import triton_backend  # noqa: E402
-from gefen_dist.method import codebook as cb  # noqa: E402
-from gefen_dist.method import state  # noqa: E402
-from gefen_dist.method.codes import unpack4  # noqa: E402
-
-GOAL_RATIO = 0.6  # Gefen 4-bit's step at most this times fused AdamW's, on the 1B set
-GOAL_COPY = 0.70  # and at least this share of the device's copy bandwidth
-BACKEND = "triton"  # what every Gefen here runs on the device (the CPU twin: the reference)
-
-# (name, [(numel, start, shape, block)] of one flat buffer): block 1 = per-element bf16 state,
-# block -P = column blocks of a row of P
-LAYOUTS = [
-    ("prime", [(7919, 0, (7919,), 1)]),
-    ("rows", [(257 * 1031, 0, (257, 1031), 1031)]),
-    ("odd_start_odd_block", [(4001, 37, (90, 97), 97)]),
-    ("long_block", [(4 * 50257, 0, (4, 50257), 50257)]),
-    ("short_blocks", [(96 * 300, 0, (300, 96), 8)]),
-    ("columns", [(192 * 512, 0, (192, 512), -512)]),
-    ("column_pieces", [(4001, 37, (90, 97), -97), (50, 5, (60, 97), -97), (300, 0, (300,), 1)]),
-    (
-        "flat_shard",
-        [
-            (1000, 24000, (200, 128), 128),
-            (33, 0, (33,), 1),
-            (5 * 96 + 1, 1, (6, 96), 96),
-            (4096, 0, (64, 64), 64),
-        ],
-    ),
-]
-SMALL = {
-    "rows": [(31 * 1031, 0, (31, 1031), 1031)],
-    "long_block": [(2 * 5003, 0, (2, 5003), 5003)],
-    "short_blocks": [(96 * 40, 0, (40, 96), 8)],
-    "columns": [(40 * 512, 0, (40, 512), -512)],
-}
-"""The interpreter's sizes for the layouts above that are large: the same shapes of problem (a
-block of many tiles, many short blocks, columns), at sizes it steps in seconds."""
+LAYOUT_NAMES = ["prime", "rows", "odd_start_odd_block", "long_block", "short_blocks", "columns",
+                "column_pieces", "flat_shard"]  # fmt: skip
+DTYPES = ("float32", "bfloat16", "float16")
 
 
-def layouts(small: bool) -> list[tuple[str, list]]:
-    return [(name, SMALL.get(name, parts) if small else parts) for name, parts in LAYOUTS]
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One thing the kit runs and reports: ``section`` is the report's list it goes to,
+    ``cap_s`` the most it may take, ``args`` what the worker needs (launch/gpu_items.py)."""
+
+    name: str
+    section: str
+    cap_s: float
+    args: dict
+
+    def job(self) -> dict:
+        return dict(name=self.name, **self.args)
 
 
-def _grad(numel: int, start: int, row: int, seed: int, device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.exp(torch.randn((start + numel) // row + 2, generator=g))
-    idx = (torch.arange(numel) + start) // row
-    return (rows[idx] * torch.randn(numel, generator=g)).to(device)
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What the items step: ``tensors`` matrices of ``rows`` x ``rows``, GPT-2's tensors at
+    ``gpt2`` (gpu_items.gpt2_shapes), the interpreter's layouts where ``small_layouts``."""
+
+    rows: int
+    tensors: int
+    steps: int
+    warmup: int
+    gpt2: str
+    small_layouts: bool
+    copy_numel: int
 
 
-def check_layout(name, parts, bits, dtype, device, steps=4) -> dict:
-    numel = sum(n for n, *_ in parts)
-    segs, off = [], 0
-    for n, start, shape, _ in parts:
-        segs.append(Segment(off, n, start, shape))
-        off += n
-    blocks = [b for *_, b in parts]
-    gen = torch.Generator().manual_seed(0)
-    levels = cb.learn_codebook(cb.histogram(torch.randn(20000, generator=gen).clamp(-1, 1)), bits)
-    p0 = torch.randn(numel, generator=gen).to(device, dtype)
-    ps, opts = [], []
-    for backend in ("reference", BACKEND):
-        p = p0.clone().requires_grad_()
-        o = Gefen([p], lr=1e-2, weight_decay=0.1, bits=bits)
-        o.backend = backend
-        o.set_segments(p, segs)
-        o.state[p] = state.allocate(segs, blocks, levels, p.device)
-        ps.append(p)
-        opts.append(o)
-    (pr, pn), (orf, onb) = ps, opts
-    worst = dict(p=0.0, v=0.0, absmax=0.0, dense=0.0, code_frac=0.0, code_max=0)
-    for t in range(steps):
-        g = torch.cat(
-            [_grad(n, s, shape[-1], 10 * t + i, device) for i, (n, s, shape, _) in enumerate(parts)]
-        ).to(dtype)
-        pr.grad, pn.grad = g.clone(), g.clone()
-        if t:
-            pn.data.copy_(pr.data)
-            for k, v in orf.state[pr].items():
-                onb.state[pn][k].copy_(v)
-        before = pr.detach().float().abs()
-        orf.step()
-        onb.step()
-        sr, sn = orf.state[pr], onb.state[pn]
-        # relative to the step's operands: where the step nearly cancels p (a step of 0.375 on
-        # a p of -0.376), the backends' ulp in v is an ulp of the step, far more of the result
-        scale = torch.maximum(before, pr.detach().float().abs()).clamp_min(1e-3)
-        worst["p"] = max(worst["p"], ((pn - pr).detach().float().abs() / scale).max().item())
-        for k in ("v", "absmax", "exp_avg", "exp_avg_sq"):
-            if sr[k].numel():
-                a, b = sn[k].float(), sr[k].float()
-                # B = 1's m where m + w (g - m) cancels: an ulp of the operands, not of m
-                floor = 1e-6 * b.abs().max() if k.startswith("exp_avg") else 0.0
-                rel = ((a - b).abs() / (b.abs() + floor).clamp_min(1e-30)).max().item()
-                key = "dense" if k.startswith("exp_avg") else k
-                worst[key] = max(worst[key], rel)
-        cr, cn = sr["codes"], sn["codes"]
-        if bits == 4:
-            cr, cn = unpack4(cr, 2 * cr.numel()), unpack4(cn, 2 * cn.numel())
-        if cr.numel():
-            d = (cr.long() - cn.long()).abs()
-            worst["code_max"] = max(worst["code_max"], int(d.max()))
-            worst["code_frac"] = max(worst["code_frac"], (d > 0).float().mean().item())
-    p_tol = triton_backend.PARAM_RTOL[dtype]
-    ok = (
-        worst["p"] <= p_tol
-        and worst["v"] <= 1e-5
-        and worst["absmax"] <= 1e-5
-        and worst["dense"] <= 2**-7  # B = 1 bf16 state: one ulp where an fp32 ulp carries
-        and worst["code_max"] <= 1
-        and worst["code_frac"] < 2e-3
+def sizes(scale: float | None, steps: int | None, interpret: bool) -> Sizes:
+    """16 x 8192 x 8192 = 1.07B parameters at scale 1, the default on a device; under the
+    interpreter (which steps a few thousand elements a second) 16 x 16 x 16 unless ``scale``
+    says otherwise."""
+    if scale is None:
+        scale = 4e-6 if interpret else 1.0
+    if scale <= 0:
+        raise SystemExit(f"--scale must be > 0, got {scale}")
+    least = 16 if interpret else 64
+    rows = max(least, int(8192 * scale**0.5) // least * least)
+    gpt2 = "tiny" if interpret else ("124m" if scale >= 1 else "narrow")
+    return Sizes(
+        rows=rows,
+        tensors=16,
+        steps=steps or (2 if interpret else 20),
+        warmup=1 if interpret else 3,
+        gpt2=gpt2,
+        small_layouts=interpret,
+        copy_numel=min(2**28, 16 * rows * rows) if not interpret else 2**22,
     )
-    used = onb.memory_report()["backend"]
-    return dict(layout=name, bits=bits, dtype=str(dtype), backend=used, ok=ok, **worst)
 
 
-def check_histogram(device) -> dict:
-    g = _grad(96 * 301 + 5, 17, 96, 1, device)
-    seg = Segment(0, g.numel(), 17, (400, 96))
-    from gefen_dist.first_step import histogram
+def items(device: str, interpret: bool) -> list[Item]:
+    """Every item, most informative first (the module docstring's list)."""
+    gpu = device == "cuda"
+    out = [Item("probe", "probe", 90, dict(kind="probe"))]
+    for i, name in enumerate(LAYOUT_NAMES):
+        for j, bits in enumerate((4, 8)):
+            # the interpreter takes each layout at both widths and the three dtypes in turn
+            # (every dtype meets every width over the layouts); a GPU takes every combination
+            for dtype in (DTYPES[(2 * i + j) % 3],) if interpret else DTYPES:
+                args = dict(kind="equal", layout=name, bits=bits, dtype=dtype)
+                # the first launches compile every kernel variant on a GPU
+                cap = 180 if i == j == 0 and dtype == "float32" else 60
+                out.append(Item(f"equal/{name}/{bits}b/{dtype}", "checks", cap, args))
+    out.append(Item("histogram", "checks", 60, dict(kind="histogram")))
+    out.append(Item("optimizer", "checks", 120, dict(kind="optimizer")))
 
-    dev = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64)
-    histogram(g, seg, 96, dev, {0: 7.5})
-    ref = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64)
-    x = g.cpu()
-    histogram(x, seg, 96, ref, {0: 7.5})
-    return dict(check="histogram", ok=bool(torch.equal(dev, ref)), total=float(dev.sum()))
+    def step(opt: str, dtype: str, kind: str = "matrices", cap: float = 120) -> Item:
+        args = dict(kind="step", optimizer=opt, dtype=dtype, set=kind)
+        return Item(f"step/{kind}/{dtype}/{opt}", "timings", cap, args)
 
-
-def check_optimizer(device, steps: int = 3, small: bool = False) -> dict:
-    """The whole optimizer on the device, as a user runs it, against the same on the CPU: the
-    demo GPT's parameters with the same real gradients (computed once, on the CPU) on both, so
-    the first step partitions, builds the g0 histogram and learns the codebook from them on
-    the device. Layouts (block sizes) and codebooks must be equal, the parameters after
-    ``steps`` steps must agree but for the rare element a code flip moved (at most one in 10^3
-    off by more than 10^-3 of the largest step), and a state_dict saved on the device must load
-    into a fresh optimizer and step as the original does. The per-kernel checks above start
-    from state set by hand, so they never ran this path."""
-    from gefen_dist.demo.corpus import get_batch, load_corpus
-    from gefen_dist.demo.model import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    d = 64 if small else 128  # the interpreter's model is narrower, the same in kind
-    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=d, block_size=64))
-    train, _ = load_corpus(2**18)
-    batches = torch.Generator().manual_seed(0)
-    grads = []
-    for _ in range(steps + 1):
-        model.zero_grad(set_to_none=True)
-        model(*get_batch(train, 4, 64, batches))[1].backward()
-        grads.append([q.grad.clone() for q in model.parameters()])
-    out = dict(check="optimizer", ok=False)
-    runs = []
-    for where, backend in (("cpu", "reference"), (device, BACKEND)):
-        params = [torch.nn.Parameter(q.detach().clone().to(where)) for q in model.parameters()]
-        opt = Gefen(params, lr=1e-2, weight_decay=0.1, bits=4)
-        opt.backend = backend
-        for t in range(steps):
-            for q, g in zip(params, grads[t], strict=True):
-                q.grad = g.to(where)
-            opt.step()
-        runs.append((params, opt))
-    (pc, oc), (pd, od) = runs
-    out["backend"] = od.memory_report()["backend"]
-    out["layouts_equal"] = all(
-        torch.equal(oc.state[a]["layout"], od.state[b]["layout"].cpu())
-        for a, b in zip(pc, pd, strict=True)
-    )
-    out["codebooks_equal"] = all(
-        torch.equal(oc.state[a]["codebook"], od.state[b]["codebook"].cpu())
-        for a, b in zip(pc, pd, strict=True)
-    )
-    moved = max(
-        float((a.detach() - q.detach()).abs().max())
-        for a, q in zip(pc, model.parameters(), strict=True)
-    )
-    off = sum(
-        int(((a.detach() - b.detach().cpu()).abs() > 1e-3 * moved).sum())
-        for a, b in zip(pc, pd, strict=True)
-    )
-    total = sum(a.numel() for a in pc)
-    out["p_off_frac"] = off / total
-    file = io.BytesIO()  # through a checkpoint file: a state_dict shares the state's tensors
-    torch.save(od.state_dict(), file)
-    file.seek(0)
-    saved = torch.load(file, weights_only=True)
-    twin = [torch.nn.Parameter(q.detach().clone()) for q in pd]
-    fresh = Gefen(twin, lr=1e-2, weight_decay=0.1, bits=4)
-    fresh.backend = BACKEND
-    fresh.load_state_dict(saved)
-    for q, r, g in zip(pd, twin, grads[steps], strict=True):
-        q.grad, r.grad = g.to(device), g.to(device)
-    od.step()
-    fresh.step()
-    out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(pd, twin, strict=True))
-    out["ok"] = (
-        out["layouts_equal"]
-        and out["codebooks_equal"]
-        and out["p_off_frac"] <= 1e-3
-        and out["resumed_equal"]
-    )
+    out += [step("adamw_fused", "float32"), step("gefen4", "float32")]
+    out += [step("adamw_fused", "bfloat16"), step("gefen4", "bfloat16")]
+    out += [step("gefen8", "float32"), step("gefen8", "bfloat16")]
+    if gpu:
+        for mode in ("ddp", "fsdp2"):
+            args = dict(kind="train", mode=mode, timeout_s=90)
+            out.append(Item(f"train/{mode}", "checks", 95, args))
+    out += [step(o, "float32", "gpt2_124m", 60) for o in ("adamw_fused", "gefen4", "gefen8")]
+    # under the interpreter the peers run on the CPU: their path once, not their speed
+    for dtype in ("float32",) if interpret else ("float32", "bfloat16"):
+        out += [step(p, dtype, cap=90) for p in PEER_NAMES]
+    if interpret:
+        out = [dataclasses.replace(it, cap_s=it.cap_s * INTERPRET_CAPS) for it in out]
     return out
 
 
-def check_train(device, mode: str) -> dict:
-    """launch/train.py on one GPU rank (torchrun, NCCL) under ``mode``'s run config, four
-    steps: the training script's device path and Gefen under that sharding with a real NCCL
-    group, which only a GPU runs (on the CPU the distributed tests cover the script)."""
-    import subprocess
-    import tempfile
-
-    root = Path(__file__).resolve().parents[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        res_file = Path(tmp) / "run.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-               "--master_port", str(29400 + len(mode)), str(root / "launch" / "train.py"),
-               "--config", str(root / "configs" / "run" / f"{mode}.yaml"), "--set", "steps=4",
-               "--set", f"device={device.type}", "--no-progress",
-               "--out", str(res_file)]  # fmt: skip
-        # the package from this checkout, installed or not (a lent GPU has it only here)
-        env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-        )
-        if device.type == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = str(device.index or 0)
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-        res = json.loads(res_file.read_text()) if res_file.exists() else {}
-    curve = res.get("curve", [])
-    last = curve[-1].get("val_loss") if curve else None
-    ok = r.returncode == 0 and last is not None and math.isfinite(last)
-    out = dict(check=f"train_{mode}", ok=ok, rc=r.returncode, val_loss=last)
-    if not ok:
-        out["error"] = (r.stdout + r.stderr)[-1500:]
-    return out
+PEER_NAMES = ("bnb_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit")
 
 
-def copy_bandwidth(device, numel: int) -> float:
-    a = torch.empty(numel, dtype=torch.float32, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(10):
-        t = _timer(device)
-        b.copy_(a)
-        times.append(t())
-    return 2 * a.numel() * 4 / statistics.median(times)
+def select(all_items: list[Item], only: str | None) -> list[Item]:
+    """The items whose names start with one of ``only``'s comma-separated prefixes (``probe``
+    always comes first: the rest is read against it)."""
+    if not only:
+        return all_items
+    prefixes = [p.strip() for p in only.split(",") if p.strip()]
+    picked = [it for it in all_items if it.name == "probe" or it.name.startswith(tuple(prefixes))]
+    if len(picked) == 1 and prefixes != ["probe"]:
+        names = ", ".join(sorted({it.name.split("/")[0] for it in all_items}))
+        raise SystemExit(f"--only {only!r} matches no item (they start with: {names})")
+    return picked
 
 
-def _timer(device):
-    if device.type == "cuda":
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-
-        def stop():
-            e.record()
-            e.synchronize()
-            return s.elapsed_time(e) / 1e3
-
-        return stop
-    t0 = time.perf_counter()
-    return lambda: time.perf_counter() - t0
+# ------------------------------------------------------------------------ host (no torch)
 
 
-# bytes a step must move per parameter (reads + writes), for the bandwidth column
-def _bytes(name: str, pbytes: int) -> float:
-    return {
-        "adamw_fused": 2 * pbytes + pbytes + 16,
-        "gefen4": 2 * pbytes + pbytes + 1.0,
-        "gefen8": 2 * pbytes + pbytes + 2.0,
-        "bnb_adamw8bit": 2 * pbytes + pbytes + 4.0,
-        "torchao_adamw8bit": 2 * pbytes + pbytes + 4.0,
-        "torchao_adamw4bit": 2 * pbytes + pbytes + 2.0,
-    }[name]
-
-
-def build(name, params):
-    kw = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    if name == "adamw_fused":
-        return torch.optim.AdamW(params, fused=True, **kw)
-    if name.startswith("gefen"):
-        opt = Gefen(params, bits=int(name[5:]), **kw)
-        opt.backend = BACKEND
-        return opt
-    if name == "bnb_adamw8bit":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, **kw)
-    import torchao.optim as ao
-
-    return (ao.AdamW8bit if name.endswith("8bit") else ao.AdamW4bit)(params, **kw)
-
-
-def matrices(n_tensors: int, rows: int, cols: int) -> list[tuple[int, ...]]:
-    return [(rows, cols)] * n_tensors
-
-
-def gpt2_shapes(scale: float, tiny: bool = False) -> list[tuple[int, ...]]:
-    """GPT-2 124M's 148 parameter shapes at scale 1; narrower (d = 64, vocab 512) below it, and
-    ``tiny`` (d = 16, vocab 64: the interpreter's) narrower still."""
-    d, vocab, ctx = (768, 50257, 1024) if scale >= 1 else (64, 512, 128)
-    if tiny:
-        d, vocab, ctx = 16, 64, 32
-    layer = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,)]
-    layer += [(4 * d, d), (d,)]
-    return [(vocab, d), (ctx, d), *layer * 12, (d,), (d,)]
-
-
-@torch.no_grad()
-def feed(params, grads, t: int) -> None:
-    """Gradient set t mod 3 into ``.grad``, in place (an optimizer may keep the addresses)."""
-    torch._foreach_copy_([p.grad for p in params], grads[t % len(grads)])
-
-
-def _device_ops(opt, device) -> int | None:
-    """Kernels and copies one step puts on the GPU (torch.profiler), where a step of many small
-    launches would show; None on the CPU or where the profiler cannot see the device."""
-    if device.type != "cuda":
-        return None
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
+def _run(cmd: list[str], timeout: float = 10) -> str:
     try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            opt.step()
-            torch.cuda.synchronize(device)
-        return sum(e.device_type == DeviceType.CUDA for e in prof.events())
-    except Exception:
-        return None
-
-
-def time_step(name, dtype, device, shapes, steps, label, warmup: int = 3) -> dict:
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype) * 0.02) for s in shapes]
-    scales = [torch.randn(s[0], *[1] * (len(s) - 1), device=device).exp() for s in shapes]
-    grads = [
-        [(torch.randn(s, device=device) * r).to(dtype) for s, r in zip(shapes, scales, strict=True)]
-        for _ in range(3)
-    ]
-    for p, g in zip(params, grads[0], strict=True):
-        p.grad = g.clone()
-    numel = sum(p.numel() for p in params)
-    head = dict(optimizer=name, dtype=str(dtype), set=label)
-    # a peer that is missing or fails is skipped; ours or the baseline failing is an error
-    miss = "error" if name.startswith(("gefen", "adamw")) else "skipped"
-    try:
-        opt = build(name, params)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return (r.stdout or r.stderr).strip()
+    except FileNotFoundError:
+        return "not found"
     except Exception as e:
-        return dict(head, **{miss: f"{type(e).__name__}: {e}"[:300]})
+        return f"{type(e).__name__}: {e}"
 
-    try:
-        for t in range(warmup):
-            feed(params, grads, t)
-            opt.step()
-        times, host = [], []
-        for t in range(steps):
-            feed(params, grads, t)
-            timer = _timer(device)
-            t0 = time.perf_counter()
-            opt.step()
-            host.append(time.perf_counter() - t0)  # until step() returns: Python and launches
-            times.append(timer())
-        feed(params, grads, steps)
-        ops = _device_ops(opt, device)
-    except Exception as e:
-        return dict(head, **{miss: f"{type(e).__name__}: {e}"[:300]})
-    med = statistics.median(times)
+
+def _version(name: str, paths: list[str]) -> str | None:
+    for dist in importlib.metadata.distributions(path=paths):
+        if (dist.metadata["Name"] or "").lower().replace("_", "-") == name:
+            return dist.version
+    return None
+
+
+def host_probe(env_path: list[str]) -> dict:
+    """What the host has, without importing torch (a probe that cannot crash the kit): the GPU
+    as nvidia-smi sees it, the C compiler and Python.h Triton builds its launcher with, and the
+    versions the worker's sys.path will import."""
+    include = sysconfig.get_paths().get("include", "")
+    paths = env_path + sys.path
     out = dict(
-        head,
-        params=numel,
-        tensors=len(params),
-        median_ms=1e3 * med,
-        host_ms=1e3 * statistics.median(host),
-        device_ops=ops,
-        bytes_per_s=_bytes(name, params[0].element_size()) * numel / med,
+        python=platform.python_version(),
+        executable=sys.executable,
+        machine=platform.machine(),
+        cpus=os.cpu_count(),
+        nvidia_smi=_run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,clocks.max.sm,"
+                "clocks.max.mem,power.limit",
+                "--format=csv,noheader",
+            ]  # fmt: skip
+        ),
+        gcc=(_run(["gcc", "--version"]) + "\n").splitlines()[0]
+        if shutil.which("gcc")
+        else "not found",
+        cc=shutil.which("cc") or "not found",
+        python_h=str(Path(include) / "Python.h")
+        if (Path(include) / "Python.h").exists()
+        else f"not found in {include!r}",
+        nvcc=("\n" + _run(["nvcc", "--version"])).splitlines()[-1]
+        if shutil.which("nvcc")
+        else "not found",
+        packages={n: _version(n, paths) for n in ("torch", "triton", "numpy", *PEERS)},
+        git=_run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
     )
-    if isinstance(opt, Gefen):
-        rep = opt.memory_report()
-        out.update(backend=rep["backend"], state_bytes_per_param=rep["bytes_per_param"])
-    del opt, params, grads
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return out
+
+
+# ------------------------------------------------------------------------------- the parent
+
+
+class Kit:
+    """Runs the items in workers inside the deadline and keeps the report on disk."""
+
+    def __init__(self, a: argparse.Namespace, chosen: list[Item], sz: Sizes) -> None:
+        self.a = a
+        self.items = chosen
+        self.sizes = sz
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + a.budget_s
+        self.stop: str | None = None
+        self.out: Path = a.out
+        self.log = open(self.out / "gpu_check.log", "wb", buffering=0)  # noqa: SIM115
+        peers = a.peers / "site" if a.peers else None
+        self.peers = peers if peers and peers.is_dir() else None
+        self.report: dict = dict(
+            kit=2,
+            command=" ".join([Path(sys.executable).name, *sys.argv]),
+            started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            status="running",
+            budget_s=a.budget_s,
+            device=a.device_kind,
+            interpret=a.interpret,
+            sizes=dataclasses.asdict(sz),
+            peers_dir=str(self.peers) if self.peers else None,
+            host={},
+            probe={},
+            checks=[],
+            timings=[],
+            not_run=[],
+            workers=[],
+        )
+
+    # -- report
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def write(self) -> None:
+        r = self.report
+        r["elapsed_s"] = round(time.monotonic() - self.t0, 3)
+        checks = r["checks"] + ([r["probe"]] if r["probe"] else [])
+        r["checks_ok"] = all(c.get("ok") for c in checks if not _cut(c))
+        r["timings_ok"] = not any("error" in t for t in r["timings"])
+        r["kernels"] = kernels(r)
+        r["goals"] = goals(r)
+        _atomic(self.out / "gpu_check.json", json.dumps(r, indent=1, default=str) + "\n")
+        _atomic(self.out / "gpu_check.md", markdown(r))
+
+    def record(self, item: Item, result: dict, took: float) -> None:
+        result = dict(item=item.name, **result, s=round(took, 3))
+        result["at_s"] = round(time.monotonic() - self.t0, 3)
+        if item.section == "probe":
+            self.report["probe"] = result
+        else:
+            self.report[item.section].append(result)
+        self.write()
+        print(json.dumps(result, default=str), flush=True)
+
+    # -- workers
+
+    def _spawn(self, todo: list[Item]) -> tuple[subprocess.Popen, int]:
+        read, write = os.pipe()
+        env = dict(os.environ)
+        path = [str(ROOT), *([str(self.peers)] if self.peers else [])]
+        env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.a.interpret:
+            env["TRITON_INTERPRET"] = "1"
+        else:
+            env.pop("TRITON_INTERPRET", None)
+        if self.peers:  # torchao's C++ ops are for another build of torch than most: not needed
+            env.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+        cmd = [sys.executable, str(WORKER), "--fd", str(write), "--parent", str(os.getpid())]
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write,),
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,  # its own group: the parent alone decides when it stops
+        )
+        os.close(write)
+        job = dict(config=self.config(), items=[it.job() for it in todo])
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(job).encode())
+        proc.stdin.close()
+        self.report["workers"].append(dict(pid=proc.pid, first=todo[0].name))
+        self.write()
+        return proc, read
+
+    def config(self) -> dict:
+        sz = self.sizes
+        return dict(
+            device=self.a.device_kind,
+            small=sz.small_layouts,
+            rows=sz.rows,
+            tensors=sz.tensors,
+            steps=sz.steps,
+            warmup=sz.warmup,
+            gpt2=sz.gpt2,
+            copy_numel=sz.copy_numel,
+        )
+
+    def _kill(self, proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def run(self) -> None:
+        self.report["host"] = host_probe([str(self.peers)] if self.peers else [])
+        self.write()
+        todo = list(self.items)
+        fatal = None
+        while todo and self.stop is None and self.left() > 1 and fatal is None:
+            todo, fatal = self._one_worker(todo)
+        if not todo:
+            status = "complete"
+        elif self.stop or fatal:
+            status = self.stop or fatal
+        else:
+            status = "deadline"
+        self.report["status"] = why = status
+        self.report["not_run"] = [dict(item=it.name, why=why) for it in todo]
+        self.write()
+        self.log.close()
+
+    def _one_worker(self, todo: list[Item]) -> tuple[list[Item], str | None]:
+        """Run ``todo`` in one worker until it finishes, dies, overruns an item or the deadline
+        or a signal comes: the items still to run, and why no other worker should start where
+        this one never started an item."""
+        proc, fd = self._spawn(todo)
+        byname = {it.name: it for it in todo}
+        sel = selectors.DefaultSelector()
+        assert proc.stdout is not None
+        sel.register(fd, selectors.EVENT_READ, "events")
+        sel.register(proc.stdout, selectors.EVENT_READ, "output")
+        buf = b""
+        current: Item | None = None
+        began = time.monotonic()
+        startup = STARTUP_S * (INTERPRET_CAPS if self.a.interpret else 1)
+        limit = min(startup, max(0.0, self.left()))
+        ended = "finished"
+        started = False
+        fatal = None
+        open_fds = 2
+        while open_fds:
+            for key, _ in sel.select(timeout=0.2):
+                data = os.read(key.fd, 1 << 16)
+                if not data:
+                    sel.unregister(key.fileobj)
+                    open_fds -= 1
+                    continue
+                if key.data == "output":
+                    sys.stderr.buffer.write(data)
+                    sys.stderr.flush()
+                    if self.log.tell() < LOG_CAP:
+                        self.log.write(data[: LOG_CAP - self.log.tell()])
+                    continue
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    ev = json.loads(line)
+                    item = byname[ev["item"]]
+                    if ev["event"] == "start":
+                        current, began, started = item, time.monotonic(), True
+                        limit = min(item.cap_s, max(0.0, self.left()))
+                        self.report["current"] = item.name
+                        self.write()
+                    else:
+                        self.record(item, ev["result"], time.monotonic() - began)
+                        todo = todo[todo.index(item) + 1 :]
+                        current, began = None, time.monotonic()
+                        limit = min(startup, max(0.0, self.left()))
+                        self.report.pop("current", None)
+                        if item.section == "probe" and "error" in ev["result"]:
+                            fatal = "stopped: the probe raised (no usable device: probe.error)"
+            if fatal or self.stop or time.monotonic() - began > limit:
+                if fatal:
+                    ended = fatal
+                elif self.stop:
+                    ended = self.stop
+                elif current is None:
+                    ended = "deadline" if self.left() <= 1 else "no item started in time"
+                else:
+                    ended = "deadline" if self.left() <= 1 else f"over its cap of {current.cap_s} s"
+                self._kill(proc)
+                break
+        rc = proc.wait()
+        for key in list(sel.get_map().values()):
+            sel.unregister(key.fileobj)
+        os.close(fd)
+        proc.stdout.close()
+        self.report["workers"][-1].update(rc=rc, ended=ended)
+        if current is not None:  # it started and never reported: it cost the worker
+            took = time.monotonic() - began
+            self.report.pop("current", None)
+            if _cut(dict(stopped=ended)):  # not the item's fault: it ran out of time
+                self.record(current, dict(stopped=ended), took)
+            else:
+                why = (
+                    f"the worker died (exit status {rc}) during it: see gpu_check.log"
+                    if ended == "finished"
+                    else f"stopped after {took:.0f} s: {ended}"
+                )
+                self.record(current, dict(ok=False, error=why, stopped=ended), took)
+            todo = todo[todo.index(current) + 1 :]
+        elif not started and ended in ("finished", "no item started in time"):
+            why = f"a worker started no item ({ended}, exit status {rc}): see gpu_check.log"
+            self.report["workers"][-1]["error"] = why
+            self.write()
+            return todo, why
+        return todo, fatal
+
+
+def _cut(result: dict) -> bool:
+    """Stopped by the deadline or a signal: neither passed nor failed."""
+    why = result.get("stopped") or ""
+    return why == "deadline" or why.startswith("interrupted")
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------- judging, markdown
+
+
+def _timing(r: dict, opt: str, dtype: str, kind: str = "matrices") -> dict | None:
+    for t in r["timings"]:
+        if t["item"] == f"step/{kind}/{dtype}/{opt}" and "median_ms" in t:
+            return t
+    return None
+
+
+def kernels(r: dict) -> dict:
+    """Which of the kernels' compiled variants the items launched (under the interpreter:
+    ran), against every variant the launchers use."""
+    every = r["probe"].get("variants") or []
+    ran = sorted({v for c in r["checks"] + r["timings"] for v in c.get("variants_run", [])})
+    return dict(ran=len(ran), of=len(every), missing=[v for v in every if v not in ran])
+
+
+def goals(r: dict) -> dict:
+    """The issue's goals for Gefen on the 1B set, per dtype (speed: only on a device), and
+    what must hold anywhere it ran: the state's bytes as on the CPU, training and resuming
+    under DDP and FSDP2. A goal whose items did not run says so."""
+    out: dict = {}
+    copy = r["probe"].get("copy_bytes_per_s")
+    for dtype in ("float32", "bfloat16"):
+        base = _timing(r, "adamw_fused", dtype)
+        for bits, limit in ((4, GOAL_RATIO_4), (8, GOAL_RATIO_8)):
+            g = _timing(r, f"gefen{bits}", dtype)
+            key = f"gefen{bits}_{dtype}_x_adamw"
+            if base and g:
+                x = g["median_ms"] / base["median_ms"]
+                out[key] = dict(value=x, limit=limit, met=x <= limit)
+            else:
+                out[key] = dict(met=None, why="gefen or fused AdamW did not step")
+        g = _timing(r, "gefen4", dtype)
+        key = f"gefen4_{dtype}_copy_share"
+        if g and copy:
+            share = g["bytes_per_s"] / copy
+            out[key] = dict(value=share, limit=GOAL_COPY, met=share >= GOAL_COPY)
+        else:
+            out[key] = dict(met=None, why="gefen4 did not step or no copy bandwidth")
+        key = f"gefen4_{dtype}_first_step_x"
+        if g:
+            x = g["first_step_x"]
+            out[key] = dict(value=x, limit=GOAL_FIRST, met=x <= GOAL_FIRST)
+        else:
+            out[key] = dict(met=None, why="gefen4 did not step")
+    if r["interpret"]:
+        for v in out.values():
+            v.update(met=None, why="Triton interpreter on the CPU: not a GPU's times")
+    opt = next((c for c in r["checks"] if c["item"] == "optimizer"), None)
+    out["state_bytes_as_cpu"] = (
+        dict(value=opt.get("state_bytes_per_param"), met=opt.get("state_bytes_equal"))
+        if opt and "state_bytes_equal" in opt
+        else dict(met=None, why="the optimizer check did not finish")
+    )
+    for mode in ("ddp", "fsdp2"):
+        t = next((c for c in r["checks"] if c["item"] == f"train/{mode}"), None)
+        if t is None:
+            why = "runs on a GPU only" if r["device"] != "cuda" else "did not run"
+            out[f"train_{mode}_resumes"] = dict(met=None, why=why)
+        else:
+            out[f"train_{mode}_resumes"] = dict(
+                met=bool(t.get("ok")),
+                resumed_equal=t.get("resumed_equal"),
+                max_val_loss_diff=t.get("max_val_loss_diff"),
+            )
+    return out
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(r: dict) -> str:
+    p, h = r["probe"], r["host"]
+    smi = h.get("nvidia_smi") or ""
+    gpu = smi.split(",")[0] if smi and "not found" not in smi and ":" not in smi else None
+    lines = [f"# launch/gpu_check.py on {p.get('device') or gpu or r['device']}"]
+    lines += ["", f"`{r['command']}`", ""]
+    lines.append(
+        f"Status: **{r['status']}** after {r.get('elapsed_s', 0):.0f} s of a {r['budget_s']:.0f} s"
+        f" budget; started {r['started']}."
+    )
+    if r["interpret"]:
+        lines.append("Under Triton's interpreter on the CPU: the times are not a GPU's.")
+    pk = h.get("packages", {})
+    lines += [
+        "",
+        f"Python {h.get('python')}, torch {pk.get('torch')} (CUDA {p.get('torch_cuda')}), "
+        f"triton {pk.get('triton')}, numpy {pk.get('numpy')}; gcc: {h.get('gcc')}; Python.h: "
+        f"{h.get('python_h')}; nvidia-smi: {h.get('nvidia_smi')}",
+    ]
+    if p.get("error") or p.get("stopped"):
+        why = (p.get("error") or p.get("stopped") or "").strip().splitlines()[-1:]
+        lines.append(f"The probe did not finish: {' '.join(why)}")
+    elif p:
+        lines.append(
+            f"Copy bandwidth {_fmt((p.get('copy_bytes_per_s') or 0) / 1e9, '.0f')} GB/s; a "
+            f"one-line Triton kernel {'ran' if p.get('smoke_ok') else 'FAILED'} in "
+            f"{_fmt(p.get('smoke_s'))} s; backend: {p.get('backend_error') or 'triton'}."
+        )
+    have = {n: p.get(n, pk.get(n)) for n in PEERS}
+    have = {n: v for n, v in have.items() if v and not str(v).startswith("not importable")}
+    parts = [f"{n} {v}" for n, v in have.items()]
+    if have:
+        parts[-1] += f" (from {r['peers_dir'] or 'the environment'})"
+    parts += [f"{n} not importable, its timings skipped" for n in PEERS if n not in have]
+    if not r["peers_dir"] and len(have) < len(PEERS):
+        parts[-1] += " (no .peers folder was carried: docs/gpu.md)"
+    lines.append("Peers: " + "; ".join(parts) + ".")
+    checks = r["checks"]
+    cut = [c for c in [p, *checks, *r["timings"]] if c and _cut(c)]
+    bad = [c for c in checks if not c.get("ok") and not _cut(c)]
+    k = r.get("kernels", {})
+    lines += ["", f"Checks: {len(checks) - len(bad) - len(cut)}/{len(checks)} ok"]
+    if k.get("ran"):
+        lines[-1] += f"; kernel variants launched {k['ran']}/{k['of']}" + (
+            f" (not: {', '.join(k['missing'])})" if k.get("missing") else ""
+        )
+    for c in bad:
+        lines.append(f"- FAILED {c['item']}: {json.dumps(c, default=str)[:600]}")
+    for c in cut:
+        lines.append(f"- {c['item']}: {c['stopped']} after {c['s']:.0f} s")
+    for c in checks:
+        if c["item"] == "optimizer" and c.get("ok"):
+            lines.append(
+                f"- optimizer: layouts, codebooks and state bytes "
+                f"({_fmt(c.get('state_bytes_per_param'), '.3f')}/param) equal to the CPU's; "
+                f"resumed equal; parameters off {c['p_off_frac']:.1e}"
+            )
+        if c["item"].startswith("train/") and c.get("ok"):
+            lines.append(
+                f"- {c['item']}: val loss {_fmt(c.get('val_loss'), '.4f')} after a resume from "
+                f"step {c.get('resumed_from_step')}; bit for bit as uninterrupted: "
+                f"{c.get('resumed_equal')}"
+            )
+    if r["timings"]:
+        lines += [
+            "",
+            "| set | dtype | optimizer | median step | x fused AdamW | first step | first / "
+            "step | build | host | device ops | GB/s | % of copy |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        copy = p.get("copy_bytes_per_s")
+        for t in r["timings"]:
+            _, kind, dtype, opt = t["item"].split("/")
+            head = f"| {kind} | {dtype} | {opt} {t.get('backend', '')}"
+            if "median_ms" not in t:
+                why = t.get("skipped") or t.get("error") or t.get("stopped") or "?"
+                what = "ERROR" if "error" in t else "not finished" if _cut(t) else "skipped"
+                lines.append(f"{head} | {what}: {str(why)[:80]} |" + " |" * 10)
+                continue
+            base = _timing(r, "adamw_fused", dtype, kind)
+            ratio = f"{t['median_ms'] / base['median_ms']:.2f}x" if base else "-"
+            share = f"{100 * t['bytes_per_s'] / copy:.0f} %" if copy else "-"
+            lines.append(
+                f"{head} | {t['median_ms']:.2f} ms | {ratio} | {t['first_step_s']:.2f} s | "
+                f"{t['first_step_x']:.1f} | {t['build_s']:.2f} s | {t['host_ms']:.2f} ms | "
+                f"{_fmt(t.get('device_ops'), 'd')} | {t['bytes_per_s'] / 1e9:.0f} | {share} |"
+            )
+    g = r.get("goals", {})
+    if g:
+        lines += ["", "Goals:"]
+        for key, v in g.items():
+            if v.get("met") is None:
+                lines.append(f"- {key}: not judged ({v.get('why')})")
+            else:
+                val = f"{v['value']:.3g}" if isinstance(v.get("value"), float) else v.get("value")
+                lim = f" (limit {v['limit']})" if "limit" in v else ""
+                lines.append(f"- {key}: {'met' if v['met'] else 'MISSED'}, {val}{lim}")
+    if r["not_run"]:
+        lines += ["", f"Not run ({r['not_run'][0]['why']}): " + ", ".join(
+            n["item"] for n in r["not_run"])]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------- peers
+
+
+def fetch_peers(dest: Path) -> None:
+    """Install the peers for the H200 (Python 3.12, x86-64, CUDA 13) into ``dest``/site with
+    pip, on a machine with the network, for ``run`` to carry (the device has none)."""
+    site = dest / "site"
+    if site.exists():
+        shutil.rmtree(site)
+    plat = [f"--platform={p}" for p in PEER_PLATFORMS]
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+           "--only-binary=:all:", "--implementation=cp", "--python-version=3.12", *plat,
+           "--target", str(site), *(f"{n}=={v}" for n, v in PEERS.items())]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    dropped = 0
+    for lib in (site / "bitsandbytes").glob("libbitsandbytes_*"):
+        if not lib.name.startswith(PEER_KEEP):
+            dropped += lib.stat().st_size
+            lib.unlink()
+    size = sum(f.stat().st_size for f in site.rglob("*") if f.is_file())
+    print(f"{site}: {size / 2**20:.1f} MiB ({dropped / 2**20:.1f} MiB of libraries left out)")
+
+
+# ------------------------------------------------------------------------------------ main
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--scale", type=float, default=1.0, help="fraction of the 1B-parameter set")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--budget-s", type=float, default=480, help="stop timing peers after this")
-    ap.add_argument("--checks-only", action="store_true", help="check, no timing")
+    ap.add_argument("--out", type=Path, help="the folder for gpu_check.json/.md/.log")
+    ap.add_argument("--device", default="cuda", help="cuda (or cpu with --interpret)")
+    ap.add_argument(
+        "--scale",
+        type=float,
+        help="fraction of the 1B-parameter set (default: 1; "
+        "under --interpret 16 matrices of 16 x 16)",
+    )
+    ap.add_argument("--steps", type=int, help="timed steps (default 20; --interpret: 2)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        help=f"hard deadline in seconds from the start: nothing runs past it (default "
+        f"{BUDGET_S:.0f}; --interpret: {BUDGET_INTERPRET_S:.0f})",
+    )
+    ap.add_argument("--only", help="comma-separated item prefixes, e.g. equal,optimizer")
+    ap.add_argument("--checks-only", action="store_true", help="the probe and the checks")
     ap.add_argument(
         "--interpret",
         action="store_true",
-        help="run the Triton kernels under Triton's interpreter on CPU tensors (--device cpu)",
+        help="the Triton kernels under Triton's interpreter on CPU tensors",
+    )
+    ap.add_argument(
+        "--peers",
+        type=Path,
+        default=ROOT / ".peers",
+        help="where --fetch-peers puts them and the kit looks (default .peers)",
+    )
+    ap.add_argument(
+        "--fetch-peers",
+        action="store_true",
+        help="install bitsandbytes and torchao for the H200 into --peers, then exit",
     )
     a = ap.parse_args()
-    device = torch.device("cpu" if a.interpret else a.device)
+    if a.fetch_peers:
+        fetch_peers(a.peers)
+        return
+    if a.out is None:
+        ap.error("--out is required")
+    if a.budget_s is None:
+        a.budget_s = BUDGET_INTERPRET_S if a.interpret else BUDGET_S
+    if a.budget_s <= 0:
+        ap.error(f"--budget-s must be > 0, got {a.budget_s}")
+    if a.steps is not None and a.steps < 1:
+        ap.error(f"--steps must be >= 1, got {a.steps}")
+    a.device_kind = "cpu" if a.interpret else a.device
+    if a.device_kind not in ("cuda", "cpu"):
+        ap.error(f"--device must be cuda or cpu, got {a.device!r}")
+    if a.device_kind == "cpu" and not a.interpret:
+        ap.error("--device cpu runs the kernels only under --interpret")
+    sz = sizes(a.scale, a.steps, a.interpret)
+    chosen = items(a.device_kind, a.interpret)
+    chosen = select(chosen, "equal,histogram,optimizer,train" if a.checks_only else a.only)
     a.out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    report: dict = dict(
-        command=" ".join(sys.argv), torch=torch.__version__, python=platform.python_version()
-    )
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    report["interpret"] = interpret
-    if device.type == "cuda":
-        report["device"] = torch.cuda.get_device_name(device)
-    else:
-        report["device"] = (platform.processor() or "cpu") + (" (Triton interpreter)" * interpret)
-    probe = torch.zeros(1, device=device)
-    if not (triton_backend.supports(probe, probe) and triton_backend.available(device)):
-        report["build_error"] = triton_backend.build_error() or f"no Triton kernels for {device}"
-        _write(a.out, report)
-        sys.exit(f"Triton backend unavailable: {report['build_error']} (on the CPU: --interpret)")
-    checks = []
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    for i, (name, parts) in enumerate(layouts(small=interpret)):
-        for j, bits in enumerate((4, 8)):
-            # the interpreter takes each layout at both widths and the three dtypes in turn
-            # (every dtype meets every width over the layouts); a GPU takes every combination
-            for dtype in (dtypes[(2 * i + j) % 3],) if interpret else dtypes:
-                t0 = time.perf_counter()
-                try:
-                    checks.append(check_layout(name, parts, bits, dtype, device))
-                except Exception:
-                    checks.append(
-                        dict(
-                            layout=name,
-                            bits=bits,
-                            dtype=str(dtype),
-                            ok=False,
-                            error=traceback.format_exc()[-1500:],
-                        )
-                    )
-                checks[-1]["s"] = time.perf_counter() - t0
-    whole = [
-        ("histogram", check_histogram),
-        ("optimizer", functools.partial(check_optimizer, small=interpret)),
-    ]
-    if device.type == "cuda":
-        whole += [(f"train_{m}", functools.partial(check_train, mode=m)) for m in ("ddp", "fsdp2")]
-    for name, check in whole:
-        t0 = time.perf_counter()
-        try:
-            checks.append(check(device))
-        except Exception:
-            checks.append(dict(check=name, ok=False, error=traceback.format_exc()[-1500:]))
-        checks[-1]["s"] = time.perf_counter() - t0
-    report["checks"] = checks
-    report["checks_ok"] = all(c["ok"] for c in checks)
-    report["check_s"] = time.perf_counter() - t_start
-    if a.checks_only:
-        _write(a.out, report)
-        print((a.out / "gpu_check.md").read_text())
-        sys.exit(0 if report["checks_ok"] else "some checks failed: see gpu_check.json")
+    kit = Kit(a, chosen, sz)
 
-    # 16 x 8192 x 8192 = 1.07B parameters at scale 1
-    least = 16 if interpret else 64  # the interpreter steps a few thousand elements a second
-    rows = max(least, int(8192 * a.scale**0.5) // least * least)
-    warmup = 1 if interpret else 3
-    n_tensors, cols = 16, rows
-    report["copy_bytes_per_s"] = copy_bandwidth(device, min(2**28, n_tensors * rows * cols))
-    timings = []
-    names = [
-        "adamw_fused",
-        "gefen4",
-        "gefen8",
-        "bnb_adamw8bit",
-        "torchao_adamw8bit",
-        "torchao_adamw4bit",
-    ]
-    for dtype in (torch.float32, torch.bfloat16):
-        for name in names:
-            if time.perf_counter() - t_start > a.budget_s and not name.startswith(
-                ("adamw", "gefen")
-            ):
-                timings.append(
-                    dict(optimizer=name, dtype=str(dtype), set="matrices", skipped="time budget")
-                )
-                continue
-            shapes = matrices(n_tensors, rows, cols)
-            timings.append(time_step(name, dtype, device, shapes, a.steps, "matrices", warmup))
-            print(json.dumps(timings[-1]), flush=True)
-    for name in names[:3]:
-        shapes = gpt2_shapes(a.scale, tiny=interpret)
-        timings.append(time_step(name, torch.float32, device, shapes, a.steps, "gpt2_124m", warmup))
-        print(json.dumps(timings[-1]), flush=True)
-    report["timings"] = timings
-    report["timings_ok"] = not any("error" in t for t in timings)
-    report["goals"] = goals(timings, report["copy_bytes_per_s"], interpret)
-    report["total_s"] = time.perf_counter() - t_start
-    _write(a.out, report)
-    print((a.out / "gpu_check.md").read_text())
-    if not report["checks_ok"] or not report["timings_ok"]:
-        sys.exit("some checks or Gefen's own timings failed: see gpu_check.json")
+    def on_signal(signum, _frame) -> None:
+        kit.stop = f"interrupted: {signal.Signals(signum).name}"
 
-
-def goals(timings: list[dict], copy_bps: float, interpret: bool) -> dict:
-    """Gefen 4-bit on the 1B set against its goals, per dtype: the ratio to fused AdamW and
-    the share of copy bandwidth, each met or not; none judged under the interpreter."""
-    if interpret:
-        return dict(judged=False, why="Triton interpreter on the CPU: not a GPU's times")
-    out: dict = dict(judged=True)
-    for dtype in sorted({t["dtype"] for t in timings if t.get("set") == "matrices"}):
-        row = {
-            t["optimizer"]: t
-            for t in timings
-            if t.get("set") == "matrices" and t["dtype"] == dtype and "median_ms" in t
-        }
-        if "gefen4" not in row or "adamw_fused" not in row:
-            out[dtype] = dict(met=False, why="gefen4 or adamw_fused did not step")
-            continue
-        ratio = row["gefen4"]["median_ms"] / row["adamw_fused"]["median_ms"]
-        share = row["gefen4"]["bytes_per_s"] / copy_bps
-        out[dtype] = dict(
-            ratio=ratio,
-            copy_share=share,
-            ratio_met=ratio <= GOAL_RATIO,
-            copy_met=share >= GOAL_COPY,
-        )
-    return out
-
-
-def _write(out: Path, report: dict) -> None:
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    lines = [f"# Triton kernels on {report.get('device')}", "", f"`{report['command']}`", ""]
-    if report.get("interpret"):
-        lines += ["Under Triton's interpreter on the CPU: times are not a GPU's.", ""]
-    if report.get("build_error"):
-        lines.append(f"Unavailable: {report['build_error']}")
-    checks = report.get("checks", [])
-    bad = [c for c in checks if not c["ok"]]
-    lines.append(f"Checks against the reference: {len(checks) - len(bad)}/{len(checks)} ok")
-    for c in bad:
-        lines.append(f"- FAILED {json.dumps(c)[:400]}")
-    bw = report.get("copy_bytes_per_s")
-    if report.get("timings"):
-        lines += [
-            "",
-            f"Copy bandwidth: {bw / 1e9:.0f} GB/s",
-            "",
-            "| set | dtype | optimizer | median step | x fused AdamW | host | device ops | GB/s | "
-            "% of copy |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        kinds = dict.fromkeys((t.get("set", "matrices"), t["dtype"]) for t in report["timings"])
-        for kind, dtype in kinds:
-            rows = [
-                t
-                for t in report["timings"]
-                if (t.get("set", "matrices"), t["dtype"]) == (kind, dtype)
-            ]
-            ref = next(
-                (t for t in rows if t["optimizer"] == "adamw_fused" and "median_ms" in t), None
-            )
-            for t in rows:
-                if "skipped" in t or "error" in t:
-                    why = "skipped" if "skipped" in t else "ERROR"
-                    lines.append(
-                        f"| {kind} | {dtype} | {t['optimizer']} | {why}: "
-                        f"{t.get('skipped', t.get('error'))[:60]} | | | | | |"
-                    )
-                    continue
-                ratio = f"{t['median_ms'] / ref['median_ms']:.2f}x" if ref else "-"
-                lines.append(
-                    f"| {kind} | {dtype} | {t['optimizer']} {t.get('backend', '')} | "
-                    f"{t['median_ms']:.2f} ms | {ratio} | {t.get('host_ms', 0):.2f} ms | "
-                    f"{'-' if t.get('device_ops') is None else t['device_ops']} | "
-                    f"{t['bytes_per_s'] / 1e9:.0f} | "
-                    f"{100 * t['bytes_per_s'] / bw:.0f} % |"
-                )
-    g = report.get("goals") or {}
-    if g.get("judged"):
-        lines += ["", f"Goals (Gefen 4-bit, 1B set): <= {GOAL_RATIO}x fused AdamW, >= "
-                  f"{GOAL_COPY:.0%} of copy bandwidth"]  # fmt: skip
-        for dtype, r in g.items():
-            if isinstance(r, dict):
-                lines.append(f"- {dtype}: {json.dumps(r)}")
-    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    kit.run()
+    r = kit.report
+    print(markdown(r), flush=True)
+    failed = not r["checks_ok"] or not r["timings_ok"]
+    sys.exit(1 if failed else 0 if r["status"] == "complete" else 2)
 
 
 if __name__ == "__main__":

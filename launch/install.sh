@@ -5,6 +5,8 @@
 # scikit-learn's digits). Where no torch is present it installs the CPU build first
 # (torch==2.13.0 lies on this kind of machine's disk); a bare `pip install torch` would pull a
 # multi-GB CUDA build, and so would a dependency asking for torch with none installed.
+# Beside the installed triton, triton 3.6.0 (the H200's) goes into .triton-3.6.0 (git-ignored):
+# tests/test_gpu_check.py runs the kernels' checks under its interpreter too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,3 +14,6 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q -e ".[test,distributed,demo,bench]"
+if [ "$(uname -s)" = Linux ] && [ ! -f .triton-3.6.0/triton/__init__.py ]; then
+    "$PY" -m pip install -q --no-deps --target .triton-3.6.0 triton==3.6.0
+fi

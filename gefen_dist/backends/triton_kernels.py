@@ -95,6 +95,23 @@ def _kernel(fn):
 
 
 @triton.jit
+def _bound(x):
+    """A loop bound computed at run time: ``x`` itself (inlined, so the compiled code is the
+    same as without it)."""
+    return x
+
+
+if type(_bound).__name__ == "InterpretedFunction":
+
+    def _bound(x):  # noqa: F811
+        """Under the interpreter a scalar is a 1-element array, and triton 3.6's ``range`` takes a
+        bound by ``int()`` of it, which numpy >= 2.4 refuses ("only 0-dimensional arrays can be
+        converted to Python scalars"; later tritons squeeze the array first): the same value as
+        a Python int."""
+        return int(x.handle.data.item())
+
+
+@triton.jit
 def _find(prefix, n_rows, item):
     """The largest row s in [0, n_rows) with prefix[s] <= item, by binary search."""
     lo = tl.zeros((), tl.int32)
@@ -322,7 +339,7 @@ def block_reduce_kernel(
     old = tl.load(absmax + j, mask=jmask, other=0.0)
     acc = tl.zeros((R, W), tl.float64)
     amax = tl.zeros((R, W), tl.float32)
-    for t in range(0, tl.max(hi - lo, axis=0), W):
+    for t in range(0, _bound(tl.max(hi - lo, axis=0)), W):
         i = lo[:, None] + t + tl.arange(0, W)[None, :]
         mask = i < hi[:, None]
         g = _ld(g_addr, i, mask, gt)
@@ -389,7 +406,7 @@ def col_reduce_kernel(
     r0 = chunk * per
     acc = tl.zeros((RB, CB), tl.float64)
     amax = tl.zeros((RB, CB), tl.float32)
-    for r in range(r0, r0 + per, RB):
+    for r in range(_bound(r0), _bound(r0 + per), RB):
         rows = r + tl.arange(0, RB)
         e = rows[:, None] * period + k[None, :]
         mask = (rows[:, None] < r0 + per) & kmask[None, :] & (e < numel)
@@ -437,7 +454,7 @@ def col_finish_kernel(
     at = tl.load(aux + A_PART) + k
     total = tl.zeros((CB,), tl.float64)
     amax = tl.zeros((CB,), tl.float32)
-    for q in range(0, chunks):
+    for q in range(0, _bound(chunks)):
         total += tl.load(part_sum + at + q * nb, mask=kmask, other=0.0)
         amax = tl.maximum(amax, tl.load(part_max + at + q * nb, mask=kmask, other=0.0))
     count = tl.maximum(numel // period + tl.where(k < numel % period, 1, 0), 1)
@@ -666,7 +683,7 @@ def cross_rows_kernel(ints, meta_at, prefix_at, n_rows, part, RB: tl.constexpr, 
     r0 = first + chunk * per
     r1 = tl.minimum(r0 + per, first + rows)
     acc = tl.zeros((RB, CB), tl.float64)
-    for r in range(r0, r1, RB):
+    for r in range(_bound(r0), _bound(r1), RB):
         rr = r + tl.arange(0, RB)
         i = rr[:, None] * width + j[None, :] - start
         mask = (rr[:, None] < r1) & (j[None, :] < width) & (i >= 0) & (i < numel)
@@ -691,7 +708,7 @@ def cross_finish_kernel(ints, meta_at, prefix_at, n_rows, part, CB: tl.constexpr
     mask = j < width
     at = tl.load(m + X_PART) + j
     total = tl.zeros((CB,), tl.float64)
-    for c in range(0, chunks):
+    for c in range(0, _bound(chunks)):
         total += tl.load(part + at + c * width, mask=mask, other=0.0)
     e0 = (start // width) * width + j  # the piece's first element at position j
     e0 = tl.where(e0 < start, e0 + width, e0)
@@ -717,7 +734,7 @@ def cross_cols_kernel(ints, meta_at, prefix_at, n_rows, GR: tl.constexpr, CW: tl
     r = start // period + local * GR + tl.arange(0, GR)
     rmask = r <= last
     acc = tl.zeros((GR, CW), tl.float64)
-    for c in range(0, period, CW):
+    for c in range(0, _bound(period), CW):
         col = c + tl.arange(0, CW)
         e = r[:, None] * period + col[None, :]
         mask = rmask[:, None] & (col[None, :] < period) & (e >= start) & (e < end)
@@ -761,13 +778,13 @@ def cross_factor_kernel(ints, floats, meta_at, hyp_at, TILE: tl.constexpr):
         b2 = tl.load(h + 0)
         a2 = tl.load(h + 1)
         acc = tl.zeros((TILE,), tl.float64)
-        for t in range(0, n, TILE):
+        for t in range(0, _bound(n), TILE):
             i = t + tl.arange(0, TILE)
             acc += tl.load(v + i, mask=i < n, other=0.0).to(tl.float64)
         before = (tl.sum(acc, axis=0) / n.to(tl.float64)).to(tl.float32)
         lagged = before > 0.0
         folded = tl.zeros((TILE,), tl.float64)
-        for t in range(0, n, TILE):
+        for t in range(0, _bound(n), TILE):
             i = t + tl.arange(0, TILE)
             mask = i < n
             vi = tl.load(v + i, mask=mask, other=0.0)
@@ -782,7 +799,7 @@ def cross_factor_kernel(ints, floats, meta_at, hyp_at, TILE: tl.constexpr):
         if not lagged:
             total = (tl.sum(folded, axis=0) / n.to(tl.float64)).to(tl.float32)
             total = tl.where(total > 0.0, total, 1.0)
-            for t in range(0, n, TILE):
+            for t in range(0, _bound(n), TILE):
                 i = t + tl.arange(0, TILE)
                 mask = i < n
                 _factor_out(out, tl.load(v + i, mask=mask, other=0.0), i, mask, total, h)
@@ -810,7 +827,7 @@ def histogram_kernel(ints, floats, TILE: tl.constexpr):
     lo = tl.maximum((b0 + j) * block, start) - start
     hi = tl.minimum((b0 + j + 1) * block, start + numel) - start
     amax = tl.zeros((TILE,), tl.float32)
-    for t in range(lo, hi, TILE):
+    for t in range(_bound(lo), _bound(hi), TILE):
         i = t + tl.arange(0, TILE)
         amax = tl.maximum(amax, tl.abs(_ld(g_addr, i, i < hi, gt)))
     a = tl.max(amax, axis=0)
@@ -822,7 +839,7 @@ def histogram_kernel(ints, floats, TILE: tl.constexpr):
     a = tl.where(use_head, head, tl.where(use_tail, tail, a))
     if a > 0.0:
         half = bins.to(tl.float64) / 2.0
-        for t in range(lo, hi, TILE):
+        for t in range(_bound(lo), _bound(hi), TILE):
             i = t + tl.arange(0, TILE)
             mask = i < hi
             x = tl.math.div_rn(_ld(g_addr, i, mask, gt), a).to(tl.float64)
