@@ -4,7 +4,7 @@ A run that checkpoints every few steps should survive losing a rank at any point
 a save included, and end where it would have ended had nothing happened. This driver launches
 the run under its launcher (torchrun for FSDP2, the deepspeed launcher for ZeRO-2) on 2 CPU
 ranks with ``GEFEN_CHAOS_KILL`` set, so that one rank sends itself SIGKILL inside the forward,
-the optimizer step, the save or its commit (``launch/train.py`` docstring); the launcher tears
+the optimizer step, the save or its commit (``launch/trainer/faults.py``); the launcher tears
 the other rank down, and the driver relaunches with ``--resume`` from the newest complete
 checkpoint, kill after kill. A last launch runs to the end, and a run never killed, started
 from the same config, is the yardstick: both write a digest of every rank's parameters and
@@ -214,7 +214,7 @@ def run_chaos(
         after = train.complete_checkpoints(ck)
         torn = train.torn_checkpoints(ck)
         rec.update(
-            newest_complete_after=after[-1][0] if after else 0,
+            newest_complete_after=after[-1].step if after else 0,
             torn_after={t.name: _framework_marker(t) for t in torn},
         )
         records.append(rec)
