@@ -55,8 +55,10 @@ def test_deepspeed_json(path):
     import torch
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    import gefen_dist
     import gefen_dist.integrations.deepspeed as gd
 
+    gefen_dist.register("deepspeed")
     raw = json.loads(path.read_text())
     assert "zero_allow_untested_optimizer" not in raw
     cfg = DeepSpeedConfig(_fill(raw))

@@ -3,11 +3,13 @@
 Why a call and not an import side effect alone: ``import gefen_dist`` must stay cheap and must work
 without DeepSpeed installed, while DeepSpeed's config path (``"optimizer": {"type": "Gefen"}``,
 used by ``deepspeed.initialize`` without ``optimizer=``, Accelerate's ``DummyOptim`` and the Hugging
-Face Trainer's ``--deepspeed``) only knows Gefen once ``integrations.deepspeed`` has patched it.
-``import gefen_dist`` does that by itself when DeepSpeed is already imported; ``register()`` does it
-whatever the import order. DDP, FSDP and Accelerate's DDP need no registration: they take the
-optimizer object. FSDP's layout is read by hooks this module adds to the optimizer: FSDP2's when
-Gefen finds DTensor parameters, FSDP1's when it finds FSDP1's flat or flattened ones.
+Face Trainer's ``--deepspeed``) only knows Gefen once ``integrations.deepspeed.install()`` has
+patched it. ``import gefen_dist`` installs it by itself when DeepSpeed is already imported, and so
+does Gefen's constructor; ``register()`` does it whatever the import order. Importing
+``integrations.deepspeed`` alone patches nothing. DDP, FSDP and Accelerate's DDP need no
+registration: they take the optimizer object. FSDP's layout is read by hooks this module adds to
+the optimizer: FSDP2's when Gefen finds DTensor parameters, FSDP1's when it finds FSDP1's flat or
+flattened ones.
 """
 
 from __future__ import annotations
@@ -36,23 +38,27 @@ def register(*frameworks: str) -> list[str]:
             if frameworks:
                 raise ImportError(f"gefen_dist.register({name!r}): {name} is not installed")
             continue
-        importlib.import_module(_INTEGRATIONS[name])
+        _install(name)
         done.append(name)
     return done
 
 
 def register_loaded() -> None:
     """Install the integrations of frameworks already imported (what ``import gefen_dist`` does)."""
-    for name, module in _INTEGRATIONS.items():
+    for name in _INTEGRATIONS:
         if name in sys.modules:
-            importlib.import_module(module)
+            _install(name)
+
+
+def _install(name: str) -> None:
+    importlib.import_module(_INTEGRATIONS[name]).install()
 
 
 def _bind_deepspeed(opt) -> None:
     """deepspeed.initialize must map ZeRO partitions to segments; without the integration each
     flat partition would be blocked as one 1-D tensor."""
     if "deepspeed" in sys.modules:
-        importlib.import_module(_INTEGRATIONS["deepspeed"])
+        _install("deepspeed")
 
 
 def _configure_fsdp2(opt) -> None:

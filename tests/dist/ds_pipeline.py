@@ -24,6 +24,7 @@ import gefen_dist
 import gefen_dist.integrations.deepspeed as gd
 from gefen_dist import Gefen
 from gefen_dist.demo.model import Block, GPTConfig
+from gefen_dist.integrations.deepspeed.binding import binding_of
 from teardown import finish
 
 torch.set_num_threads(1)
@@ -202,7 +203,7 @@ def gefen_state(eng) -> list[dict[str, torch.Tensor]]:
     opt = eng.optimizer.optimizer
     return [
         {k: v.clone() for k, v in opt.state[f.tensor].items() if torch.is_tensor(v)}
-        for f in gd._binding(eng).flats
+        for f in binding_of(eng).flats
     ]
 
 
@@ -229,7 +230,7 @@ def run(ckpt: str) -> dict:
 
     wrapper = eng.optimizer
     gefen = wrapper.optimizer
-    held = sum(f.tensor.numel() for f in gd._binding(eng).flats)
+    held = sum(f.tensor.numel() for f in binding_of(eng).flats)
     losses = train(eng, 0, 1)
     after1 = max_diff(local_params(eng), ref["after1"])
     losses += train(eng, 1, SAVE_AT)
@@ -250,7 +251,7 @@ def run(ckpt: str) -> dict:
         basic=type(eng.basic_optimizer).__name__,
         inner_is_gefen=isinstance(gefen, Gefen) and gefen is eng.basic_optimizer,
         dp_world_size=eng.dp_world_size,
-        partitions=len(gd._binding(eng).flats),
+        partitions=len(binding_of(eng).flats),
         held_numel=held,
         memory=mem,
         blocks=gd.block_sizes(eng),

@@ -20,6 +20,7 @@ from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE
 import gefen_dist.integrations.deepspeed as gd
 from gefen_dist import Gefen
 from gefen_dist.demo.model import GPT, GPTConfig
+from gefen_dist.integrations.deepspeed.binding import binding_of
 from teardown import finish
 
 torch.set_num_threads(1)
@@ -119,7 +120,7 @@ def full_params(eng):
 
 def cut_blocks(eng):
     """[tensor, lo, hi] of every block that a partition boundary cuts, over all ranks."""
-    b = gd._binding(eng)
+    b = binding_of(eng)
     sizes = gd.block_sizes(eng)
     local = []
     for f in b.flats:
@@ -178,7 +179,7 @@ def run_one(name, run, ref, ckpt):
     out = {}
     eng = engine(run)
     out["wrapper"] = type(eng.optimizer).__name__
-    out["partitions"] = len(gd._binding(eng).flats)
+    out["partitions"] = len(binding_of(eng).flats)
     losses = [train_step(eng, 0)]
     out["cut_blocks"] = cut_blocks(eng)
     if ref is not None:
