@@ -311,16 +311,21 @@ def test_narrower_vector_paths_pass_the_kernel_tests_too(isa):
     """The library is built for the widest vector path the CPU has, so on an AVX-512 machine
     the AVX2 loops (and the scalar ones everywhere) would never run in CI. Build each on
     purpose and run this file's C++ checks against it: same reference, same bounds. Skipped
-    where there is nothing to narrow: inside such a run, off x86 (whose flags these are), and
-    for the machine's own path, which the rest of this file tests."""
+    where there is nothing to narrow: inside such a run, off x86 (whose flags these are), for
+    the machine's own path, which the rest of this file tests, and for paths wider than the
+    machine's, whose instructions it cannot run."""
     from gefen_dist.backends import native_cpu
 
     if os.environ.get("GEFEN_CPU_FLAGS"):
         pytest.skip("this run is already a narrowed build")
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the flags that narrow the build are x86's")
-    if native_cpu.isa() == isa:
+    width = ["scalar", "avx2", "avx512", "avx512vbmi"]
+    own = native_cpu.isa()
+    if own == isa:
         pytest.skip(f"{isa} is this machine's own build: the main run covers it")
+    if own is None or width.index(isa) > width.index(own):
+        pytest.skip(f"{isa} is wider than this machine's own build ({own}): nothing to narrow to")
     env = dict(os.environ, GEFEN_CPU_FLAGS=NARROWER[isa])
     probe = "from gefen_dist.backends import native_cpu; print(native_cpu.isa())"
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
