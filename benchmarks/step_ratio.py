@@ -161,7 +161,7 @@ def main() -> None:
             st = opt.state.get(p)
             if st:
                 segs = segment_views(st)
-                vc = segs[0][1].v_cross
+                vc = segs[0].seg.v_cross
                 cross[n] = None if vc is None else vc.detach().float().clone()
         for n, p in named:
             g = p.grad.detach().float()
@@ -174,9 +174,9 @@ def main() -> None:
         step_size = lr / bc1
         for n, p in named:
             segs = segment_views(opt.state[p])
-            if len(segs) != 1 or segs[0][1].block_size == 1:
+            if len(segs) != 1 or segs[0].seg.block_size == 1:
                 continue
-            seg = segs[0][1]
+            seg = segs[0].seg
             d = (p.detach() - before[n] * (1.0 - lr * wd)).reshape(-1)
             a = (-step_size * m_own[n] / (v_own[n].sqrt() / bc2s + eps)).reshape(-1)
             v_eff, clamped = _v_eff(seg, tuple(p.shape), cross.get(n))

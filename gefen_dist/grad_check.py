@@ -38,8 +38,8 @@ def check_gradients(optimizer: Any) -> None:
         for j in suspect:
             i = idx[j]
             if not bool(torch.isfinite(grads[i]).all()):
-                bad.append(optimizer._name(params[i]))
-    group = getattr(optimizer, "_group", None)
+                bad.append(optimizer.name_of(params[i]))
+    group = getattr(optimizer, "process_group", None)
     anywhere = bool(bad)
     if group is not None:
         flag = torch.tensor([int(anywhere)], device=comm_device(group))

@@ -6,45 +6,59 @@ spread v_cross copies to tensors) and the backend choice, which the step never n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from .backends import dispatch, native_cpu
-from .distributed import sharding
+import torch
+
+from .backends import native_cpu
 from .method import state
 
-if TYPE_CHECKING:
-    from .optimizer import Gefen
+
+@dataclass
+class Tensor:
+    """One parameter's state as the report reads it (``Gefen.memory_report`` gathers them)."""
+
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    """Elements of this rank's piece."""
+    state: Mapping[str, torch.Tensor]
+    spread: list[str | None]
+    """Per segment, the name of the tensor spread over ranks it is a piece of, or None."""
+    backend: str
+    """The update that steps it, as ``dispatch.REPORT_NAMES`` names it."""
 
 
-def memory_report(opt: Gefen) -> dict[str, Any]:
+def memory_report(tensors: list[Tensor], bits: list[int], backend: str) -> dict[str, Any]:
     """State bytes per parameter tensor and in total, next to what AdamW would keep.
     ``spread_v_cross``: v_cross entries this rank keeps for tensors spread over ranks, by
     tensor; each rank holding pieces of one keeps one copy (4 bytes an entry), the one state
-    that sharding duplicates. ``backend``: which update ran; ``cpu_isa``: with native-cpu, the
-    vector path its build compiled ('avx512vbmi', 'avx512', 'avx2' or 'scalar')."""
+    that sharding duplicates. ``backend``: which update ran (``backend``, the optimizer's
+    setting, where no state exists yet); ``cpu_isa``: with native-cpu, the vector path its
+    build compiled ('avx512vbmi', 'avx512', 'avx2' or 'scalar')."""
     rows = []
     spread: dict[str, int] = {}
-    for p, st in opt.state.items():
-        if st:
-            layout = st["layout"].tolist()
-            for seg, r in zip(opt._segments_for(p), layout, strict=True):
-                if opt._spread_name(seg) and r[4] > 0:
-                    spread[seg.name] = spread.get(seg.name, 0) + r[4]
-            fallback = sum(r[1] for r in layout if r[3] == 1)
-            rows.append(
-                dict(
-                    name=opt._name(p),
-                    shape=tuple(p.shape),
-                    numel=sharding.local(p).numel(),
-                    block_sizes=sorted({r[3] for r in layout}),
-                    fallback_numel=fallback,
-                    state_bytes=state.state_bytes(st),
-                    adamw_bytes=8 * sharding.local(p).numel(),
-                )
+    for t in tensors:
+        layout = state.layout_rows(t.state)
+        for name, r in zip(t.spread, layout, strict=True):
+            if name and r.cross > 0:
+                spread[name] = spread.get(name, 0) + r.cross
+        rows.append(
+            dict(
+                name=t.name,
+                shape=t.shape,
+                numel=t.numel,
+                block_sizes=sorted({r.block for r in layout}),
+                fallback_numel=sum(r.numel for r in layout if r.block == 1),
+                state_bytes=state.state_bytes(t.state),
+                adamw_bytes=8 * t.numel,
             )
+        )
     total = sum(r["state_bytes"] for r in rows)
     params = sum(r["numel"] for r in rows)
-    backend = backend_in_use(opt)
+    used = "+".join(sorted({t.backend for t in tensors})) or backend
     return dict(
         tensors=rows,
         state_bytes=total,
@@ -53,21 +67,10 @@ def memory_report(opt: Gefen) -> dict[str, Any]:
         adamw_bytes=8 * params,
         fallback_numel=sum(r["fallback_numel"] for r in rows),
         spread_v_cross=spread,
-        bits=sorted(opt._codebooks),
-        backend=backend,
-        cpu_isa=native_cpu.isa() if "native-cpu" in backend else None,
+        bits=sorted(bits),
+        backend=used,
+        cpu_isa=native_cpu.isa() if "native-cpu" in used else None,
     )
-
-
-def backend_in_use(opt: Gefen) -> str:
-    """The backends that update this optimizer's state, as ``memory_report`` names them."""
-    used = set()
-    for p, st in opt.state.items():
-        if st:
-            local = sharding.local(p)
-            g = sharding.local(p.grad) if p.grad is not None else local
-            used.add(dispatch.REPORT_NAMES[opt._impl(local, g)])
-    return "+".join(sorted(used)) or opt._backend
 
 
 def format_memory_report(report: dict[str, Any]) -> str:

@@ -7,33 +7,29 @@ parameter's segments (``segments``, ``state``), through the native kernels where
 (``native_cpu``, ``triton_backend``; see ``Gefen.backend``). The optimizer never needs names, shapes
 beyond the tensors' own, or any setting AdamW does not have, other than ``bits``.
 
-Distributed integrations hand the optimizer each buffer's segments (``set_segments``) and replace
-``_reduce_stats`` / ``_reduce_histogram`` by collectives, so every rank chooses the same blocks
+``step`` reads top to bottom: the kept C++ tables where they fit (``cpu_plan``), the first step
+of parameters that have no state yet (``first_step``), then every segment's update: this step's
+cross factors (``backends/cross``), then one call per backend. Distributed integrations hand the
+optimizer each buffer's segments (``set_segments``) and reach it through ``extension`` only; the
+first step merges its statistics over the process group, so every rank chooses the same blocks
 and learns the same codebook.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections import Counter
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from . import first_step, memory_report, validation
-from .backends import dispatch, native_cpu, triton_backend
+from . import extension, first_step, memory_report, validation
+from .backends import cross, dispatch, native_cpu, triton_backend
 from .backends.cpu_plan import CpuPlan
-from .backends.reference import (
-    block_update,
-    column_update,
-    cross_factor,
-    cross_mean,
-    cross_sums,
-    dense_update,
-)
+from .backends.reference import block_update, column_update, dense_update
+from .backends.work import Origin, SegmentWork, StepItem
 from .distributed import collectives, sharding
 from .method import portable, state
 from .method.codes import midpoints
@@ -41,22 +37,6 @@ from .method.hyper import Hyper
 from .method.segments import Segment
 
 BACKENDS = dispatch.BACKENDS
-
-ON_CONSTRUCT: list[Callable[[Gefen], None]] = []
-"""Called with every Gefen at the end of its construction. Why hooks: the optimizer must not
-import the framework integrations (they import it), yet DeepSpeed's must bind a Gefen built
-while DeepSpeed is loaded; ``integrations`` (``register.py``) adds that hook."""
-
-ON_SHARDED: list[Callable[[Gefen], None]] = []
-"""Called once when a Gefen first finds DTensor (FSDP2) parameters on a process group: the FSDP
-integration keys their state per rank for DCP (``register.py`` adds it)."""
-
-ON_UNCONFIGURED: list[Callable[[Gefen], None]] = []
-"""Called before the first step (at construction, at each step, load and state dict until the
-state is initialised) while no integration has configured the optimizer: FSDP1 hands it flat
-parameters, or pieces of the original ones, whose layout only FSDP's units know, and a wrapper
-may swap them in after construction or FSDP wrap the parameters Gefen was built on (Accelerate,
-the HF Trainer). The FSDP integration finds the units and configures itself (``register.py``)."""
 
 DEFAULT_BITS = 4
 """Measured on the demo GPT (4 layers, d=256, stdlib source), 1000 steps, 3 paired seeds vs
@@ -118,18 +98,18 @@ class Gefen(Optimizer):
         self._display: dict[torch.Tensor, str] = {}
         self._backend = "auto"
         self._warned: set[str] = set()
-        self._views: dict[torch.Tensor, tuple] = {}
+        self._views: dict[torch.Tensor, _Prepared] = {}
         self._codebook_copies: dict[tuple[int, str], torch.Tensor] = {}
         self._pending_install: list[tuple[torch.Tensor, dict]] = []
-        self._cross_slots: dict[str, tuple[int, int]] | None = None
+        self._cross_slots: dict[str, cross.Slot] | None = None
         self._plan: CpuPlan | None = None  # the last step's C++ tables, for the next
-        self._adopted: list[list[torch.Tensor]] = []  # the groups' params _adopt_sharded saw
+        self._adopted: list[list[torch.Tensor]] = []  # the groups' params _adopt saw
+        self._attached: dict[str, Any] = {}  # integrations' configuration (``attach``)
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(Gefen._stash_state)
         self.register_load_state_dict_post_hook(Gefen._install_state)
-        self._adopt_sharded()
-        for hook in ON_CONSTRUCT:
-            hook(self)
+        self._adopt()
+        extension.constructed(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         validation.check_hyper({**self.defaults, **param_group})
@@ -146,6 +126,36 @@ class Gefen(Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()  # a refused group is not half-added
             raise
+
+    # -- what integrations and reports read --------------------------------------------------
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The process group every rank's first step agrees over (None: one process)."""
+        return self._group
+
+    @property
+    def codebooks(self) -> Mapping[int, torch.Tensor]:
+        """The learned codebook of m per bit width (empty before the first step)."""
+        return dict(self._codebooks)
+
+    @property
+    def initialized(self) -> bool:
+        """Every parameter that trains (and every declared buffer) has its state."""
+        return self._initialized
+
+    def attach(self, name: str, config: Any) -> None:
+        """Keep an integration's configuration of this optimizer (``extension``): the FSDP
+        integration's layout and run id, read back with ``attached``."""
+        self._attached[name] = config
+
+    def attached(self, name: str) -> Any:
+        """What ``attach`` kept under ``name``, or None."""
+        return self._attached.get(name)
+
+    def segments_of(self, p: torch.Tensor) -> list[Segment]:
+        """The segments of ``p``: those an integration declared (``set_segments``), else the
+        parameter's own (a DTensor's local piece of its global tensor, or the whole tensor)."""
+        return self._segments_for(p)
 
     # -- integration hooks -------------------------------------------------------------------
     def set_segments(
@@ -180,16 +190,18 @@ class Gefen(Optimizer):
         self._segments[param] = sorted(segments, key=lambda s: s.offset)
         self._use_group(group, param)
 
-    def _adopt_sharded(self) -> None:
-        """Take the process group of FSDP2 (DTensor) parameters and key their state per rank
-        for DCP, also where sharded parameters replaced a group's params after construction:
-        Accelerate's prepare builds the optimizer on plain tensors and swaps the sharded ones in,
-        which had left each rank learning its own codebook and DCP keeping one rank's state. A
-        mesh of one rank counts too, so that its checkpoint refuses another world size by name.
-        """
-        if not self._initialized and getattr(self, "_gefen_fsdp", None) is None:
-            for hook in ON_UNCONFIGURED:
-                hook(self)
+    def _adopt(self) -> None:
+        """Take the process group of FSDP2 (DTensor) parameters and let the integrations key
+        their state per rank for DCP (``extension.sharded``), also where sharded parameters
+        replaced a group's params after construction: Accelerate's prepare builds the optimizer
+        on plain tensors and swaps the sharded ones in, which had left each rank learning its
+        own codebook and DCP keeping one rank's state. A mesh of one rank counts too, so that
+        its checkpoint refuses another world size by name. Called at construction, step, state
+        dict and load: a swap may happen between any two of them. Until the state exists and
+        while no integration has configured the optimizer, the integrations look for layouts
+        only they know (``extension.unconfigured``: FSDP1's flat parameters)."""
+        if not self._initialized and not self._attached:
+            extension.unconfigured(self)
         lists = [g["params"] for g in self.param_groups]
         if len(lists) == len(self._adopted) and all(
             a is b for a, b in zip(lists, self._adopted, strict=True)
@@ -202,17 +214,16 @@ class Gefen(Optimizer):
                 group = sharding.group_of(p)
                 self._use_group(group, p)
                 sharded = sharded or group is not None
-        if sharded and getattr(self, "_gefen_fsdp", None) is None:
-            for hook in ON_SHARDED:
-                hook(self)
+        if sharded and not self._attached:
+            extension.sharded(self)
         self._adopted = lists
 
     def state_dict(self) -> dict[str, Any]:
-        self._adopt_sharded()
+        self._adopt()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._adopt_sharded()
+        self._adopt()
         super().load_state_dict(state_dict)
 
     def _use_group(self, group: dist.ProcessGroup | None, p: torch.Tensor) -> None:
@@ -231,19 +242,35 @@ class Gefen(Optimizer):
     # -- step --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        self._adopt_sharded()
+        self._adopt()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # The kept tables first: where they fit, every parameter with a gradient has its state
-        # (nothing pending), so the long way would start no collective either, unless some
-        # parameter still lacks state under a process group (_any_rank_pending). Its loops below
-        # look each parameter up twice by tensor (Tensor.__hash__ runs in Python), which cost the
-        # demo GPT 2 % of its step (step_ab_state_identity.json).
+        # The kept C++ tables (cpu_plan) serve a step where nothing but addresses, counts and
+        # hyperparameters changed. They are tried first where no rank can be waiting in the
+        # first step's collectives (this one is initialised, or alone): the long way looks each
+        # parameter up twice by tensor, 2 % of the demo GPT's step (step_ab_state_identity.json).
+        # Under a process group with some state missing, every rank goes through the first
+        # step's collective before.
         quiet = self._initialized or self._group is None
-        if quiet and self._plan is not None and self._plan.run(self):
+        if quiet and self._run_kept_plan():
             return loss
+        self._first_step_of_new_parameters()
+        if not quiet and self._run_kept_plan():
+            return loss
+        self._step_segments()
+        return loss
+
+    def _run_kept_plan(self) -> bool:
+        """This step on the last step's C++ tables, or False where they do not fit it (then
+        nothing was done)."""
+        return self._plan is not None and self._plan.run(self, self._backend)
+
+    def _first_step_of_new_parameters(self) -> None:
+        """Blocks (and, the first time, the codebooks) for parameters with a gradient and no
+        state yet, on every rank together: a rank with none still takes part in the collectives
+        while any rank has some (ZeRO and FSDP hand ranks different parameters)."""
         pending = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -258,11 +285,11 @@ class Gefen(Optimizer):
         # wrappers (ZeRO) may show one param group per call: registered buffers count too
         known = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._initialized = all(self.state.get(p) for p in known + list(self._segments))
-        # under a process group with some state missing: after the collective, as before
-        if not quiet and self._plan is not None and self._plan.run(self):
-            return loss
-        gpu_work: list[tuple] = []  # a few Triton launches for all of a device's segments
-        cpu_work: list[tuple] = []
+
+    def _step_segments(self) -> None:
+        """Every segment's update: the step counts, this step's work and cross factors, then
+        one call per backend (C++ for all CPU segments, Triton per device, the reference one
+        segment at a time); the C++ tables are kept for the next step where they may serve it."""
         steps = [
             self.state[p]["step"]
             for g in self.param_groups
@@ -277,37 +304,38 @@ class Gefen(Optimizer):
             if steps:
                 torch._foreach_sub_(steps, 1)
             raise
-        factors, v_done, cross, on_cpu = self._cross_factors(items)
+        factors = cross.step_factors(items, self._slots(), self._group)
+        cpu_work: list[SegmentWork] = []
         cpu_items: list[int] = []
-        for i, ((impl, ps, gs, seg, h, levels, mids, bits, _), f) in enumerate(
-            zip(items, factors, strict=True)
-        ):
-            if impl == "triton":
-                gpu_work.append((ps, gs, seg, h, levels, mids, bits, f))
-            elif impl == "cpu":
-                cpu_work.append((ps, gs, seg, h, levels, mids, bits, f, i in v_done))
+        gpu_work: dict[torch.device, list[SegmentWork]] = {}
+        for i, (it, f) in enumerate(zip(items, factors.factors, strict=True)):
+            work = SegmentWork(
+                it.p, it.g, it.seg, it.hyper, it.levels, it.mids, it.bits, f, i in factors.v_done
+            )
+            if it.impl == "triton":
+                gpu_work.setdefault(it.p.device, []).append(work)
+            elif it.impl == "cpu":
+                cpu_work.append(work)
                 cpu_items.append(i)
-            elif seg.block_size == 1:
-                dense_update(ps, gs, seg, h)
-            elif seg.block_size < 0:
-                column_update(ps, gs, seg, h, levels, mids, bits, f)
+            elif it.seg.block_size == 1:
+                dense_update(it.p, it.g, it.seg, it.hyper)
+            elif it.seg.block_size < 0:
+                column_update(it.p, it.g, it.seg, it.hyper, it.levels, it.mids, it.bits, f)
             else:
-                block_update(ps, gs, seg, h, levels, mids, bits, f)
+                block_update(it.p, it.g, it.seg, it.hyper, it.levels, it.mids, it.bits, f)
         cpu_table = native_cpu.step(cpu_work)
-        for device in {w[0].device for w in gpu_work}:
-            triton_backend.step([w for w in gpu_work if w[0].device == device])
+        for work in gpu_work.values():
+            triton_backend.step(work)
         self._plan = None
         if CpuPlan.eligible(self, items):
-            self._plan = CpuPlan(self, origins, cpu_table, cross, on_cpu, cpu_items)
-        return loss
+            self._plan = CpuPlan(self, self._backend, origins, cpu_table, factors, cpu_items)
 
-    def _items(self) -> tuple[list[tuple], list[tuple]]:
-        """This step's work: per segment of every parameter with a gradient, (backend, parameter
-        piece, gradient piece, segment state, Hyper, levels, mids, bits, spread name), and its
-        origin (group index, parameter, element offset), which the kept plans rewrite from."""
+    def _items(self) -> tuple[list[StepItem], list[Origin]]:
+        """This step's work per segment of every parameter with a gradient, and each item's
+        origin, which the kept plans rewrite from."""
         impls: dict[tuple, str] = {}
-        items: list[tuple] = []  # (impl, p, g, segment state, hyper, levels, mids, bits, key)
-        origins: list[tuple] = []  # (group index, parameter, element offset) per item
+        items: list[StepItem] = []
+        origins: list[Origin] = []
         for gi, group in enumerate(self.param_groups):
             hypers: dict[int, Hyper] = {}  # by step: one object, and one table row, per value
             for p in group["params"]:
@@ -318,8 +346,8 @@ class Gefen(Optimizer):
                 h = hypers.get(t)
                 if h is None:
                     h = hypers[t] = Hyper.of(group, t)
-                lp = first_step.contiguous(sharding.local(p), p, self)
-                lg = first_step.contiguous(sharding.local(p.grad), p, self)
+                lp = _contiguous(sharding.local(p), self._name(p))
+                lg = _contiguous(sharding.local(p.grad), self._name(p))
                 if st["codes"].device != lp.device:
                     raise RuntimeError(
                         f"the state of {self._name(p)} is on {st['codes'].device}, the parameter "
@@ -327,28 +355,43 @@ class Gefen(Optimizer):
                         "load the optimizer's state_dict after moving it (loading puts each "
                         "state on its parameter's device)"
                     )
-                levels, mids, views, keys = self._prepared(p, st)
-                bits = state.bits_of(levels)
+                prep = self._prepared(p, st)
+                bits = state.bits_of(prep.levels)
                 if group["maximize"]:
                     lg = -lg
                 key = (lp.device, lp.dtype, lg.dtype)
                 impl = impls.get(key)
                 if impl is None:
                     impl = impls[key] = self._impl(lp, lg)
-                whole = len(views) == 1 and views[0][1].numel == lp.numel()
+                views = prep.views
+                whole = len(views) == 1 and views[0].seg.numel == lp.numel()
                 if whole and impl == "cpu":  # the C++ kernel takes contiguous memory as it is
-                    items.append((impl, lp, lg, views[0][1], h, levels, mids, bits, keys[0]))
-                    origins.append((gi, p, 0))
+                    items.append(
+                        StepItem(
+                            impl,
+                            lp,
+                            lg,
+                            views[0].seg,
+                            h,
+                            prep.levels,
+                            prep.mids,
+                            bits,
+                            prep.spread[0],
+                        )
+                    )
+                    origins.append(Origin(gi, p, 0))
                     continue
                 flat_p, flat_g = lp.view(-1), lg.view(-1)
-                for (offset, seg), name in zip(views, keys, strict=True):
+                for view, name in zip(views, prep.spread, strict=True):
                     if whole:
                         ps, gs = flat_p, flat_g
                     else:
-                        ps = flat_p[offset : offset + seg.numel]
-                        gs = flat_g[offset : offset + seg.numel]
-                    items.append((impl, ps, gs, seg, h, levels, mids, bits, name))
-                    origins.append((gi, p, offset))
+                        ps = flat_p[view.offset : view.offset + view.seg.numel]
+                        gs = flat_g[view.offset : view.offset + view.seg.numel]
+                    items.append(
+                        StepItem(impl, ps, gs, view.seg, h, prep.levels, prep.mids, bits, name)
+                    )
+                    origins.append(Origin(gi, p, view.offset))
         return items, origins
 
     @property
@@ -412,155 +455,26 @@ class Gefen(Optimizer):
                 stacklevel=3,
             )
 
-    def _prepared(self, p: torch.Tensor, st: dict) -> tuple:
-        """Codebook, its midpoints, the views of ``st`` the update steps (``state.step_views``)
-        and each one's ``_spread_name``, computed once per state
-        (a load or a re-initialisation brings new tensors, hence new ones)."""
+    def _prepared(self, p: torch.Tensor, st: dict) -> _Prepared:
+        """Computed once per state (a load or a re-initialisation brings new tensors, hence new
+        ones): the codebook, its midpoints, and the views the update steps."""
         hit = self._views.get(p)
-        if hit is None or hit[0] is not st["codes"] or hit[1] is not st["codebook"]:
+        if hit is None or hit.codes is not st["codes"] or hit.levels is not st["codebook"]:
             levels = st["codebook"]
-            spread = [self._spread_name(s) for s in self._segments_for(p)]
-            steps = state.step_views(st)
-            views = [(offset, view) for offset, _, view in steps]
-            hit = (st["codes"], levels, midpoints(levels), views, [spread[k] for _, k, _ in steps])
-            self._views[p] = hit
-        return hit[1:]
-
-    def _cross_factors(
-        self, items: list[tuple]
-    ) -> tuple[list[torch.Tensor | None], set[int], native_cpu.CrossTable, list[int]]:
-        """This step's ``reference.cross_factor`` per segment (None where it has none, or where
-        the C++ step takes it itself): from the segment's own g where it holds its whole tensor;
-        from the sums over every rank's piece where the tensor is spread, all such tensors in one
-        all-reduce, so each rank takes the single-process step. Every rank reduces the whole
-        table, zeros for tensors it does not step in this call: ZeRO steps one group at a time,
-        all ranks the same group. Also the items whose block v the C++ pass over g has already
-        stepped (contiguous blocks), that pass's table and the items behind its rows (for
-        ``CpuPlan``)."""
-        out: list[torch.Tensor | None] = [None] * len(items)
-        v_done: set[int] = set()
-        slots = self._cross_table()
-        total = sum(n for _, n in slots.values())
-        buf = None
-        if total:
-            buf = torch.zeros(
-                2 * total, dtype=torch.float64, device=collectives.comm_device(self._group)
+            spread = [self.spread_name(s) for s in self._segments_for(p)]
+            views = state.step_views(st)
+            hit = _Prepared(
+                st["codes"], levels, midpoints(levels), views, [spread[v.first] for v in views]
             )
-        factored = []
-        for i, (_, _, _, seg, _, _, _, _, name) in enumerate(items):
-            if seg.v_cross is None or seg.v_cross.numel() == 0:
-                continue
-            if name is not None and (buf is None or name not in slots):
-                raise RuntimeError(f"tensor {name!r} is spread over ranks but has no cross slot")
-            factored.append(i)
-        # pieces of one tensor in one buffer share one v_cross (state.cross_column): it is
-        # folded once, by the first of them, from all their sums
-        holder: dict[tuple, int] = {}
-        owner = {
-            i: holder.setdefault((items[i][3].v_cross.device, items[i][3].v_cross.data_ptr()), i)
-            for i in factored
-        }
-        sharing = Counter(owner.values())
-        alone = {i for i in factored if items[i][8] is None and sharing[owner[i]] == 1}
-        # a tensor held whole on the C++ kernel: the step's own call gives its factor and takes
-        # its sums in the update (native_cpu.step); the rest in one C++ call for all (sums, v
-        # folded, whole tensors' factors)
-        on_cpu = [
-            i
-            for i in factored
-            if items[i][0] == "cpu"
-            and not (i in alone and native_cpu.fuses(items[i][3], items[i][2]))
-        ]
-        cross = native_cpu.cross_table(
-            [(items[i][2], items[i][3], items[i][4], i in alone) for i in on_cpu]
-        )
-        cpu_sums = dict(zip(on_cpu, cross.results, strict=True))
-        # the same on each GPU (triton_backend.cross_table); a spread tensor's only piece here
-        # writes its sums straight into its slot of the all-reduce's buffer
-        gpu_sums, direct = {}, set()
-        pieces = Counter(items[i][8] for i in factored)
-        for device in {items[i][2].device for i in factored if items[i][0] == "triton"}:
-            on = [i for i in factored if items[i][0] == "triton" and items[i][2].device == device]
-            work = [(items[i][2], items[i][3], items[i][4], i in alone) for i in on]
-            dest: list = [None] * len(on)
-            for k, i in enumerate(on):
-                name = items[i][8]
-                if name is not None and buf.device == device and pieces[name] == 1:
-                    at, n = slots[name]
-                    dest[k] = (buf[at : at + n], buf[total + at : total + at + n])
-                    direct.add(i)
-            gpu_sums.update(zip(on, triton_backend.cross_table(work, dest).views, strict=True))
-        spread = []
-        local: dict[int, list[torch.Tensor]] = {}  # owner -> sums, counts of pieces held only here
-        for i in factored:
-            impl, _, g, seg, h, _, _, _, name = items[i]
-            length = seg.v_cross.numel()
-            if impl == "cpu" and i not in cpu_sums:
-                continue
-            if impl == "cpu":
-                sums, counts, f = cpu_sums[i]
-                if seg.block_size > 1:
-                    v_done.add(i)
-            elif impl == "triton":
-                sums, counts, f = gpu_sums[i]
-            else:
-                sums, counts = cross_sums(g, seg.start, seg.block_size, length)
-                f = _factor(impl, seg, h, sums, counts) if i in alone else None
-            if i in alone:
-                out[i] = f
-                continue
-            if name is None:
-                acc = local.get(owner[i])
-                if acc is None:
-                    local[owner[i]] = [sums.double().clone(), counts.double().clone()]
-                else:
-                    acc[0] += sums.to(acc[0].device)
-                    acc[1] += counts.to(acc[1].device)
-                continue
-            at, n = slots[name]
-            if i not in direct:
-                buf[at : at + n] += sums.to(buf.device)
-                buf[total + at : total + at + n] += counts.to(buf.device)
-            spread.append((i, at, n))
-        ready = list(local.items())
-        if buf is not None:
-            dist.all_reduce(buf, group=self._group)
-            firsts = {owner[i]: (at, n) for i, at, n in spread}
-            ready += [
-                (o, [buf[at : at + n], buf[total + at : total + at + n]])
-                for o, (at, n) in firsts.items()
-            ]
-        made: dict[int, torch.Tensor] = {}
-        on_gpu = {}  # device -> [(i, seg, h, sums, counts)]: one launch per device
-        for o, (sums, counts) in ready:
-            impl, seg, h = items[o][0], items[o][3], items[o][4]
-            sums, counts = (x.to(seg.v_cross.device).contiguous() for x in (sums, counts))
-            if impl == "triton":
-                on_gpu.setdefault(seg.v_cross.device, []).append((o, seg, h, sums, counts))
-            else:
-                made[o] = _factor(impl, seg, h, sums, counts)
-        for work in on_gpu.values():
-            for (o, *_), f in zip(work, triton_backend.factors([w[1:] for w in work]), strict=True):
-                made[o] = f
-        for i in factored:
-            if owner[i] in made:
-                out[i] = made[owner[i]]
-        return out, v_done, cross, on_cpu
+            self._views[p] = hit
+        return hit
 
-    def _cross_table(self) -> dict[str, tuple[int, int]]:
-        """Where each tensor spread over ranks puts its v_cross sums in the per-step all-reduce
-        (``collectives.agree_cross_slots``), agreed once after each initialisation or load."""
-        if self._group is None:
-            return {}
+    def _slots(self) -> dict[str, cross.Slot]:
+        """Each spread tensor's place in the per-step all-reduce of cross sums, agreed once
+        after each initialisation or load (``cross.agree_slots``)."""
         if self._cross_slots is None:
-            local: dict[str, int] = {}
-            for p, st in self.state.items():
-                if not st:
-                    continue
-                for seg, row in zip(self._segments_for(p), st["layout"].tolist(), strict=True):
-                    if self._spread_name(seg) and row[4] > 0:  # < 0: an earlier piece's copy
-                        local[seg.name] = row[4]
-            self._cross_slots = collectives.agree_cross_slots(self._group, local)
+            have = [(self._segments_for(p), st) for p, st in self.state.items() if st]
+            self._cross_slots = cross.agree_slots(self._group, have, self.spread_name)
         return self._cross_slots
 
     def _shared_codebook(self, levels: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -648,7 +562,19 @@ class Gefen(Optimizer):
     def memory_report(self) -> dict[str, Any]:
         """State bytes per parameter tensor and in total, next to what AdamW would keep
         (``gefen_dist.memory_report.memory_report`` says what each entry means)."""
-        return memory_report.memory_report(self)
+        tensors = [
+            memory_report.Tensor(
+                name=self._name(p),
+                shape=tuple(p.shape),
+                numel=sharding.local(p).numel(),
+                state=st,
+                spread=[self.spread_name(seg) for seg in self._segments_for(p)],
+                backend=self.backend_of(p),
+            )
+            for p, st in self.state.items()
+            if st
+        ]
+        return memory_report.memory_report(tensors, list(self._codebooks), self._backend)
 
     def _segments_for(self, p: torch.Tensor) -> list[Segment]:
         if p in self._segments:
@@ -681,13 +607,18 @@ class Gefen(Optimizer):
                     return gi, i
         raise KeyError("parameter not in this optimizer")
 
-    def _spread_name(self, seg: Segment) -> str | None:
+    def spread_name(self, seg: Segment) -> str | None:
         """The name under which a piece's v_cross sums are all-reduced: pieces of tensors spread
         over this optimizer's process group; None for whole tensors, and for pieces declared
         without a group (there is no one to reduce with: they are factored from their own g)."""
         if self._group is not None and seg.name and seg.numel < seg.tensor_numel:
             return seg.name
         return None
+
+    def name_of(self, p: torch.Tensor) -> str:
+        """What errors and reports call ``p``: its display name (``set_segments``), its name in
+        ``param_names``, or its place in the param groups."""
+        return self._name(p)
 
     def _name(self, p: torch.Tensor) -> str:
         if p in self._display:
@@ -702,9 +633,19 @@ class Gefen(Optimizer):
         return f"parameter {tuple(p.shape)}"
 
 
-def _factor(impl: str, seg, h: Hyper, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """This step's cross factor of a segment from its tensor's sums: the C++ kernel's own pass
-    where it updates the segment, the reference's elsewhere."""
-    if impl == "cpu":
-        return native_cpu.cross_factor(seg, h, sums, counts)
-    return cross_factor(seg, h, cross_mean(sums, counts))
+class _Prepared(NamedTuple):
+    """What a state gives every step until it is replaced (``Gefen._prepared``)."""
+
+    codes: torch.Tensor
+    """The state's codes when this was made: a new tensor means a new state."""
+    levels: torch.Tensor
+    mids: torch.Tensor
+    views: list[state.StepView]
+    spread: list[str | None]
+    """Per view, ``Gefen.spread_name`` of its first segment."""
+
+
+def _contiguous(t: torch.Tensor, name: str) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"Gefen needs contiguous parameters and gradients; {name} is not")
+    return t

@@ -45,8 +45,8 @@ def ran(monkeypatch):
     out = []
     real = CpuPlan.run
 
-    def run(self, opt):
-        out.append(real(self, opt))
+    def run(self, opt, backend):
+        out.append(real(self, opt, backend))
         return out[-1]
 
     monkeypatch.setattr(CpuPlan, "run", run)

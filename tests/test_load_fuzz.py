@@ -397,12 +397,12 @@ MUST_LOAD = {"strided view", "random codes"}  # nothing wrong with these: refusi
 def _snapshot(opt: Gefen) -> tuple:
     state = {p: {k: (v, v.clone()) for k, v in st.items()} for p, st in opt.state.items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return state, copy.deepcopy(groups), dict(opt._codebooks)
+    return state, copy.deepcopy(groups), dict(opt.codebooks)
 
 
 def _unchanged(opt: Gefen, snap: tuple) -> bool:
     state, groups, books = snap
-    if set(opt.state) != set(state) or dict(opt._codebooks) != books:
+    if set(opt.state) != set(state) or dict(opt.codebooks) != books:
         return False
     for p, st in state.items():
         if set(opt.state[p]) != set(st):

@@ -84,7 +84,7 @@ def test_split_pieces_keep_every_code_and_merge_back_exactly(trained, cut):
             got = portable.restore(whole["t"], seg.start, seg.numel)
             ts = whole["t"]
             if ts.block_size != 1:
-                codes = state.segment_views(st)[0][1].codes
+                codes = state.segment_views(st)[0].seg.codes
                 mine = whole["t"].pieces[0].codes[seg.start : seg.start + seg.numel]
                 assert torch.equal(read_codes(codes, 0, seg.numel, bits), mine)
                 assert torch.equal(got["codes"], mine)

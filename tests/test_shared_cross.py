@@ -55,7 +55,7 @@ def test_the_layout_keeps_one_copy_and_every_row_views_it():
     assert st["v_cross"].numel() == state.cross_length(WIDTH, ROWS * WIDTH) == WIDTH
     assert st["layout"][:, 4].tolist() == [WIDTH] + [-1] * (ROWS - 1)
     views = state.segment_views(st)
-    ptrs = {v.v_cross.data_ptr() for _, v in views}
+    ptrs = {v.seg.v_cross.data_ptr() for v in views}
     assert ptrs == {st["v_cross"].data_ptr()}
     # other names, shapes or block sizes keep their own
     other = segs[:2] + [Segment(2 * WIDTH, WIDTH, 0, (ROWS, WIDTH), "u")]
@@ -182,14 +182,14 @@ def test_rows_of_a_column_piece_keep_one_v_and_absmax_per_column():
     assert st["v"].numel() == st["absmax"].numel() == C  # a copy per row would be ROWS * C
     assert st["v_cross"].numel() == ROWS
     views = state.segment_views(st)
-    assert {v.v.data_ptr() for _, v in views} == {st["v"].data_ptr()}
+    assert {v.seg.v.data_ptr() for v in views} == {st["v"].data_ptr()}
     ((offset, first, whole),) = state.step_views(st)  # one piece of R rows x C columns
     assert (offset, first, whole.start, whole.numel, whole.block_size) == (0, 0, 0, ROWS * C, -C)
     # a gap in the rows, or another tensor, starts a run of its own
     segs = _column_rows()
     segs[5] = Segment(5 * C, C, 6 * P + C0, (ROWS, P), "w")
     owners = state.block_owners(
-        state.allocate(segs, [-P] * ROWS, _levels(4), "cpu")["layout"].tolist(), 4
+        state.layout_rows(state.allocate(segs, [-P] * ROWS, _levels(4), "cpu")), 4
     )
     assert owners == [0] * 5 + [5] + [6] * (ROWS - 6)
 
@@ -241,7 +241,7 @@ def test_a_column_piece_re_cut_from_the_whole_tensor_shares_the_mean_v_and_max_a
     for t in range(3):
         whole.grad = torch.randn(ROWS * P, generator=_gen(t))
         solo.step()
-    saved = portable.merge(portable.export(solo.state[whole], solo._segments_for(whole)))
+    saved = portable.merge(portable.export(solo.state[whole], solo.segments_of(whole)))
     got = portable.install(saved, _column_rows(), torch.device("cpu"))
     full = solo.state[whole]
     torch.testing.assert_close(got["v"], full["v"][C0 : C0 + C])  # every row: the column's v

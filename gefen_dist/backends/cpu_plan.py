@@ -6,62 +6,58 @@ takes those tensors' sums itself), flat arrays the C++ calls read by address, an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch.optim import Optimizer
 
 from . import native_cpu
 from . import segment_table as table
+from .cross import StepFactors
 from .kept_plan import KeptPlan
-
-if TYPE_CHECKING:
-    from ..optimizer import Gefen
+from .work import Origin, StepItem
 
 
 class CpuPlan(KeptPlan):
-    """One step's tables, and for each row the parameter (an index into ``params``) and the
-    element offset its addresses come from."""
+    """One step's tables, and for each row the parameter and the element offset its addresses
+    come from (``KeptPlan.Row``)."""
 
     def __init__(
         self,
-        opt: Gefen,
-        origins: list[tuple],
+        opt: Optimizer,
+        backend: str,
+        origins: list[Origin],
         step: native_cpu.StepTable,
-        cross: native_cpu.CrossTable,
-        cross_items: list[int],
+        factors: StepFactors,
         cpu_items: list[int],
     ) -> None:
-        """``origins``: per item of the step, (group index, parameter, element offset);
-        ``cross_items``/``cpu_items``: the items behind the factor pass's rows and behind the
-        update table's work list."""
-        super().__init__(opt, origins, torch.device("cpu"))
+        """``cpu_items``: the item behind each entry of the update table's work list."""
+        super().__init__(opt, backend, origins, torch.device("cpu"))
         self.step, self.step_rows = step, self.rows([cpu_items[w] for w in step.index])
-        self.cross, self.cross_rows = cross, self.rows(cross_items)
+        self.cross, self.cross_rows = factors.table, self.rows(factors.table_items)
 
     @staticmethod
-    def eligible(opt: Gefen, items: list[tuple]) -> bool:
+    def eligible(opt: Optimizer, items: list[StepItem]) -> bool:
         """``KeptPlan.fits`` on the C++ kernel."""
         return KeptPlan.fits(opt, items, "cpu")
 
-    def run(self, opt: Gefen) -> bool:
+    def run(self, opt: Optimizer, backend: str) -> bool:
         """This step on the kept tables, step counts included, or False where they do not fit
         it (nothing done then: the caller counts the steps and takes the long way)."""
-        addr = self.gather(opt)
+        addr = self.gather(opt, backend)
         if addr is None:
             return False
         per = self.per_parameter(opt)
         meta, hyp, cols = self.step.meta, self.step.hyp, table.META_COLS
-        for r, (k, off) in enumerate(self.step_rows):
-            (pa, ga), (sp, sg), (hr, _, key) = addr[k], self.sizes[k], per[k]
-            meta[r * cols + table.P_COL] = pa + off * sp
-            meta[r * cols + table.G_COL] = ga + off * sg
-            meta[r * cols + table.KEY_COL] = key
-            hyp[r * table.HYP_COLS : (r + 1) * table.HYP_COLS] = hr
+        for r, row in enumerate(self.step_rows):
+            (pa, ga), (sp, sg), mine = addr[row.param], self.sizes[row.param], per[row.param]
+            meta[r * cols + table.P_COL] = pa + row.offset * sp
+            meta[r * cols + table.G_COL] = ga + row.offset * sg
+            meta[r * cols + table.KEY_COL] = mine.key
+            hyp[r * table.HYP_COLS : (r + 1) * table.HYP_COLS] = mine.hyper
         cmeta, chyp = self.cross.meta, self.cross.hyp
         ccols, chc = native_cpu.CrossTable.COLS, native_cpu.CrossTable.HYP_COLS
-        for r, (k, off) in enumerate(self.cross_rows):
-            cmeta[r * ccols] = addr[k][1] + off * self.sizes[k][1]
-            chyp[r * chc : (r + 1) * chc] = per[k][1]
+        for r, row in enumerate(self.cross_rows):
+            cmeta[r * ccols] = addr[row.param][1] + row.offset * self.sizes[row.param][1]
+            chyp[r * chc : (r + 1) * chc] = per[row.param].cross_hyper
         if len(self.cross):
             self.cross.sums.zero_()
             self.cross.run()

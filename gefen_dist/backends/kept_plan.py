@@ -20,40 +20,71 @@ from __future__ import annotations
 
 import operator
 from array import array
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
+from torch.optim import Optimizer
 
 from ..distributed import sharding
 from ..method.codes import step_key
 from ..method.hyper import Hyper
+from ..method.state import LayoutCol
 from . import native_cpu
 from . import segment_table as table
+from .work import Origin, StepItem
 
-if TYPE_CHECKING:
-    from ..optimizer import Gefen
+
+class Row(NamedTuple):
+    """Where a table row's addresses come from: a parameter (index into ``KeptPlan.params``)
+    and the segment's element offset in it."""
+
+    param: int
+    offset: int
+
+
+class PerParameter(NamedTuple):
+    """A parameter's rows this step, one of each per (group, step) value."""
+
+    hyper: array
+    """The update's hyperparameter row (``segment_table.hyper_row``)."""
+    cross_hyper: array
+    """The factor pass's (``segment_table.cross_hyper_row``)."""
+    key: int
+    """The step key (``codes.step_key``)."""
+
+
+class _Kept(NamedTuple):
+    """The tensors a parameter's rows point into: a new one (a load, a re-initialisation)
+    means new addresses, so the long way."""
+
+    state: dict
+    codes: torch.Tensor
+    codebook: torch.Tensor
+    step: torch.Tensor
 
 
 class KeptPlan:
-    """The parameters behind a step's tables (``origins``: per item of the step, (group index,
-    parameter, element offset)), and what must hold for the tables to serve the next step."""
+    """The parameters behind a step's tables, and what must hold for the tables to serve the
+    next step. ``opt`` is read through torch's Optimizer attributes only (``state``,
+    ``param_groups``); ``backend`` is the optimizer's setting the tables were built under."""
 
-    def __init__(self, opt: Gefen, origins: list[tuple], device: torch.device) -> None:
-        self.backend, self.device = opt.backend, device
+    def __init__(
+        self, opt: Optimizer, backend: str, origins: list[Origin], device: torch.device
+    ) -> None:
+        self.backend, self.device = backend, device
         self.params, self.groups, self.states = [], [], []
         self.dtypes, self.numels, self.sizes = [], [], []
         self._where: dict[int, int] = {}
         self._origins = origins
-        for gi, p, _ in origins:
+        for o in origins:
+            p = o.param
             if id(p) in self._where:
                 continue
             self._where[id(p)] = len(self.params)
             st = opt.state[p]
             self.params.append(p)
-            self.groups.append(gi)
-            # the tensors the tables point into: a new one (a load, a re-initialisation) means
-            # new addresses, so the long way
-            self.states.append((st, st["codes"], st["codebook"], st["step"]))
+            self.groups.append(o.group)
+            self.states.append(_Kept(st, st["codes"], st["codebook"], st["step"]))
             self.dtypes.append((p.dtype, p.grad.dtype))
             self.numels.append(p.numel())
             self.sizes.append((p.element_size(), p.grad.element_size()))
@@ -65,28 +96,31 @@ class KeptPlan:
         self.counts = array("q", [0] * len(self.params))  # the step counts' addresses
         self.steps = array("f", [0.0] * len(self.params))  # and their values after the step
 
-    def rows(self, items: list[int]) -> list[tuple[int, int]]:
-        """(parameter index, element offset) behind each of ``items`` (indices of origins)."""
-        return [(self._where[id(self._origins[i][1])], self._origins[i][2]) for i in items]
+    def rows(self, items: list[int]) -> list[Row]:
+        """The ``Row`` behind each of ``items`` (indices of origins)."""
+        return [
+            Row(self._where[id(self._origins[i].param)], self._origins[i].offset) for i in items
+        ]
 
     @staticmethod
-    def fits(opt: Gefen, items: list[tuple], impl: str) -> bool:
+    def fits(opt: Optimizer, items: list[StepItem], impl: str) -> bool:
         """Every item on backend ``impl``, none spread over ranks or sharing its v_cross with
         another piece (``state.cross_column``), no DTensor, no maximize."""
+        cross = LayoutCol.CROSS
         return (
             bool(items)
-            and all(it[0] == impl and it[8] is None for it in items)
-            and all(bool((st["layout"][:, 4] >= 0).all()) for st in opt.state.values() if st)
+            and all(it.impl == impl and it.spread is None for it in items)
+            and all(bool((st["layout"][:, cross] >= 0).all()) for st in opt.state.values() if st)
             and not any(g["maximize"] for g in opt.param_groups)
             and not any(sharding.is_dtensor(p) for g in opt.param_groups for p in g["params"])
         )
 
-    def gather(self, opt: Gefen) -> list[tuple[int, int]] | None:
+    def gather(self, opt: Optimizer, backend: str) -> list[tuple[int, int]] | None:
         """Each parameter's (parameter, gradient) address for this step, the step counts'
         addresses into ``counts``; None where the tables do not fit this step."""
         state = opt.state
         if (
-            opt.backend != self.backend
+            backend != self.backend
             or len(state) != len(self.keys)
             or len(opt.param_groups) != len(self.rounding)
             or not all(map(operator.is_, state.keys(), self.keys))
@@ -106,11 +140,12 @@ class KeptPlan:
                     continue
                 if k == n or p is not self.params[k] or gi != self.groups[k]:
                     return None
-                st, codes, book, count = self.states[k]
+                kept = self.states[k]
+                st, count = kept.state, kept.step
                 pt, gt = self.dtypes[k]
                 if (
-                    st["codes"] is not codes
-                    or st["codebook"] is not book
+                    st["codes"] is not kept.codes
+                    or st["codebook"] is not kept.codebook
                     or st["step"] is not count
                     or count.dtype is not f32
                     or not count.is_cpu
@@ -128,7 +163,7 @@ class KeptPlan:
                 k += 1
         return addr if k == n else None
 
-    def per_parameter(self, opt: Gefen) -> list[tuple[array, array, int]]:
+    def per_parameter(self, opt: Optimizer) -> list[PerParameter]:
         """Counts this step (on the CPU one C call to the kernel's library, which ran the last
         step; elsewhere torch's add and a read of each count), then per parameter: its update
         hyperparameter row, its factor pass's row and its step key, one of each per (group,
@@ -136,16 +171,18 @@ class KeptPlan:
         if self.device.type == "cpu":
             native_cpu.count_steps(self.counts, self.steps)
         else:
-            counts = [s[3] for s in self.states]
+            counts = [s.step for s in self.states]
             torch._foreach_add_(counts, 1)
             self.steps = array("f", [float(t) for t in counts])
-        rows: dict[tuple[int, int], tuple] = {}  # (group, step) -> hyper rows, step key
-        per: list[tuple] = []
+        rows: dict[tuple[int, int], PerParameter] = {}  # by (group, step)
+        per: list[PerParameter] = []
         for gi, t in zip(self.groups, (int(t) for t in self.steps), strict=True):
             r = rows.get((gi, t))
             if r is None:
                 h = Hyper.of(opt.param_groups[gi], t)
                 hr = array("f", table.hyper_row(h))
-                r = rows[(gi, t)] = (hr, array("f", table.cross_hyper_row(h)), step_key(t))
+                r = rows[(gi, t)] = PerParameter(
+                    hr, array("f", table.cross_hyper_row(h)), step_key(t)
+                )
             per.append(r)
         return per

@@ -96,7 +96,7 @@ from torch.distributed.fsdp._flat_param import FlatParameter
 
 from ..distributed import sharding
 from ..method import portable
-from ..method.segments import Segment
+from ..method.segments import Segment, decode, encode
 from ..method.state import STATE_KEYS
 from ..optimizer import Gefen
 
@@ -161,7 +161,7 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
         optimizer = optimizer.optimizer  # Accelerate's AcceleratedOptimizer, and the like
     if not isinstance(optimizer, Gefen):
         raise TypeError(f"configure expects a gefen_dist.Gefen optimizer, got {type(wrapped)}")
-    done = getattr(optimizer, "_gefen_fsdp", None)
+    done = optimizer.attached("fsdp")
     if done is not None and done.model is None and model is not None:
         fqn_of = {p: n for n, p in model.named_parameters()} if model is not None else {}
         done.model = model
@@ -236,9 +236,11 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
         )
     fqn_of = {p: n for n, p in model.named_parameters()} if model is not None else {}
     for p in integ.sharded:
-        integ.names.setdefault(p, f"parameter {fqn_of[p]!r}" if p in fqn_of else optimizer._name(p))
+        integ.names.setdefault(
+            p, f"parameter {fqn_of[p]!r}" if p in fqn_of else optimizer.name_of(p)
+        )
     integ.run = _run_id(next(iter(integ.sharded.values())), integ.replicas)
-    optimizer._gefen_fsdp = integ
+    optimizer.attach("fsdp", integ)
     optimizer.register_state_dict_post_hook(_pack_state_dict)
     optimizer.register_load_state_dict_pre_hook(_unpack_state_dict, prepend=True)
 
@@ -246,16 +248,17 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
 def _check_holds(model: nn.Module | None, optimizer: Gefen) -> None:
     """A ``configure`` after Gefen configured itself changes nothing, but a model that does
     not hold the optimizer's FSDP parameters is still named: it was not the one meant."""
-    if model is None or model is optimizer._gefen_fsdp.model:
+    integ: _Integration = optimizer.attached("fsdp")
+    if model is None or model is integ.model:
         return
     ours = set()
     for unit in FSDP.fsdp_modules(model):
         if unit._handle is not None:
             fp = unit._handle.flat_param
             ours |= {id(fp), *(id(q) for q in fp._params or [])}
-    for p in optimizer._gefen_fsdp.sharded:
+    for p in integ.sharded:
         if id(p) not in ours:
-            what = _unit_name(p) if isinstance(p, FlatParameter) else optimizer._gefen_fsdp.names[p]
+            what = _unit_name(p) if isinstance(p, FlatParameter) else integ.names[p]
             raise ValueError(
                 f"the optimizer holds the FSDP parameter {what}, which is not part of this "
                 "model's FSDP units: pass the FSDP-wrapped model the optimizer was built from"
@@ -264,7 +267,7 @@ def _check_holds(model: nn.Module | None, optimizer: Gefen) -> None:
 
 def configure_found(optimizer: Gefen) -> None:
     """``configure`` without the model, for an FSDP1 model: Gefen calls this itself (the
-    ``optimizer.ON_UNCONFIGURED`` hook) when it finds FSDP1 flat parameters or pieces of
+    ``extension.Integration.unconfigured``) when it finds FSDP1 flat parameters or pieces of
     original ones (``use_orig_params=True``) among its parameters, at construction, when a
     wrapper swaps its parameters, or at the first step or load.
 
@@ -274,7 +277,7 @@ def configure_found(optimizer: Gefen) -> None:
     state_dict_type). The FSDP units are found among the live objects (one pass of ``gc``),
     and the root that holds this optimizer's parameters configures it. A later
     ``configure(model, optimizer)`` with that model changes nothing."""
-    if getattr(optimizer, "_gefen_fsdp", None) is not None:
+    if optimizer.attached("fsdp") is not None:
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
     held = {id(p) for p in params}
@@ -289,7 +292,7 @@ def configure_found(optimizer: Gefen) -> None:
                 break
     if not roots:
         raise ValueError(
-            f"{optimizer._name(params[0])} and the other parameters of this Gefen are FSDP1 "
+            f"{optimizer.name_of(params[0])} and the other parameters of this Gefen are FSDP1 "
             "parameters of no live FSDP model's units: with use_orig_params=False FSDP replaces "
             "a model's parameters by flat ones, so build Gefen from the wrapped model's "
             "parameters (or wrap with use_orig_params=True)"
@@ -300,7 +303,7 @@ def configure_found(optimizer: Gefen) -> None:
             "or call gefen_dist.integrations.fsdp.configure(model, optimizer) with their parent"
         )
     configure(roots[0], optimizer)
-    optimizer._gefen_fsdp.found = True
+    optimizer.attached("fsdp").found = True
 
 
 # -- what torch.distributed.checkpoint asks for ---------------------------------------------------
@@ -429,7 +432,7 @@ def _pack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
     Every rank writes an entry for every sharded parameter, an empty one where it keeps no
     state, so that a checkpoint's keys do not depend on which rank stepped what, and a load on
     another world size reaches the check in ``_decode`` rather than a missing key."""
-    integ: _Integration = opt._gefen_fsdp
+    integ: _Integration = opt.attached("fsdp")
     state = dict(state_dict["state"])
     mine: dict[int, tuple[str, bytes]] = {}
     request = _dcp_request()
@@ -457,9 +460,7 @@ def _pack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
         # A DTensor parameter's codebook stays a tensor: the same on every rank, so DCP's
         # de-duplication is right for it, and DCP's full-state loader needs one tensor per entry.
         outside = ("codebook",) if st is not None and sharding.is_dtensor(p) else ()
-        blob = _encode(
-            st, opt._segments_for(p), rank, world, integ.run, outside, sharding.is_copy(p)
-        )
+        blob = _encode(st, opt.segments_of(p), rank, world, integ.run, outside, sharding.is_copy(p))
         entry: dict[str, Any] = {RUN_KEY: Text(integ.run), key: Entry(blob)}
         if st is not None:
             entry = {"step": st["step"], **{k: st[k] for k in outside}, **entry}
@@ -511,12 +512,12 @@ def _gather_whole(
     None where no rank has stepped it, or on a rank that does not keep the full dict."""
     group = integ.sharded[p]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    blob = _encode(st, opt._segments_for(p), rank, world, integ.run, (), sharding.is_copy(p))
+    blob = _encode(st, opt.segments_of(p), rank, world, integ.run, (), sharding.is_copy(p))
     every: list[Any] = [None] * world
     dist.all_gather_object(every, blob, group=group)
     if not keep:
         return None
-    name = integ.names.get(p) or opt._name(p)
+    name = integ.names.get(p) or opt.name_of(p)
     payloads = [read_entry(b, RANK_KEY.format(r), name) for r, b in enumerate(every)]
     tensors = merge_entries(payloads, None, name)
     if not tensors:
@@ -558,7 +559,7 @@ def merge_entries(
             if codebook is None:
                 raise ValueError(f"Gefen state for {name}: the entry's codebook is missing")
             st["codebook"] = codebook
-        segs = [Segment(o, m, s, tuple(sh), n) for o, m, s, sh, n in pl["segments"]]
+        segs = decode(pl["segments"])
         parts += portable.export(st, segs)
     tensors = portable.merge(parts)
     for ts in tensors.values():
@@ -570,7 +571,7 @@ def merge_entries(
 
 def _unpack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
     """Load pre-hook (runs before Gefen's own): this rank's entry back into Gefen tensors."""
-    integ: _Integration = opt._gefen_fsdp
+    integ: _Integration = opt.attached("fsdp")
     saved_state = state_dict["state"]
     state = dict(saved_state)
     saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
@@ -588,7 +589,7 @@ def _unpack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]
         ranks = sorted(k for k in st if isinstance(k, str) and k.startswith("gefen.rank"))
         if not ranks:
             continue
-        name = integ.names.get(p) or opt._name(p)
+        name = integ.names.get(p) or opt.name_of(p)
         if p not in integ.sharded:
             raise ValueError(
                 f"the checkpoint holds per-rank Gefen state ({', '.join(ranks)}) for {name}, "
@@ -598,7 +599,7 @@ def _unpack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]
         group = integ.sharded[p]
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         key = RANK_KEY.format(rank)
-        segs = opt._segments_for(p)
+        segs = opt.segments_of(p)
         if key in st and _saved_by(st[key], key, name) == (rank, world):
             loaded = _decode(st, key, segs, rank, world, name)
         else:
@@ -682,7 +683,7 @@ def _encode(
         "world_size": world,
         "run": run,
         "step": None if st is None else float(st["step"]),
-        "segments": [(s.offset, s.numel, s.start, list(s.shape), s.name) for s in segs],
+        "segments": encode(segs),
         "tensors": {
             k: st[k].detach().cpu()
             for k in STATE_KEYS
@@ -719,12 +720,13 @@ def _decode(
             f"{entry.get(RUN_KEY)} step {None if step is None else float(step)}); the "
             "loader kept this rank's own value (gefen_dist.integrations.fsdp)"
         )
-    here = [(s.offset, s.numel, s.start, list(s.shape), s.name) for s in segs]
-    saved = [tuple(x) for x in payload["segments"]]
-    if saved != [tuple(x) for x in here]:
+    saved = decode(payload["segments"])
+    if saved != list(segs):
+        rows = [tuple(r) for r in encode(saved)]
+        here = [tuple(r) for r in encode(segs)]
         raise ValueError(
             f"Gefen state for {name} was saved for the layout (offset, numel, start, shape, "
-            f"tensor) {saved}, but this rank holds {here}: a different model or FSDP wrapping"
+            f"tensor) {rows}, but this rank holds {here}: a different model or FSDP wrapping"
         )
     if saved_step is None:
         return None

@@ -7,9 +7,9 @@ Face Trainer's ``--deepspeed``) only knows Gefen once ``integrations.deepspeed.i
 patched it. ``import gefen_dist`` installs it by itself when DeepSpeed is already imported, and so
 does Gefen's constructor; ``register()`` does it whatever the import order. Importing
 ``integrations.deepspeed`` alone patches nothing. DDP, FSDP and Accelerate's DDP need no
-registration: they take the optimizer object. FSDP's layout is read by hooks this module adds to
-the optimizer: FSDP2's when Gefen finds DTensor parameters, FSDP1's when it finds FSDP1's flat or
-flattened ones.
+registration: they take the optimizer object. FSDP's layout is read through the integrations this
+module registers with ``extension``: FSDP2's when Gefen finds DTensor parameters, FSDP1's when it
+finds FSDP1's flat or flattened ones.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import importlib
 import importlib.util
 import sys
 
-from .. import optimizer
+from torch.optim import Optimizer
+
+from .. import extension
 
 __all__ = ["register"]
 
@@ -54,28 +56,45 @@ def _install(name: str) -> None:
     importlib.import_module(_INTEGRATIONS[name]).install()
 
 
-def _bind_deepspeed(opt) -> None:
+class _DeepSpeed:
     """deepspeed.initialize must map ZeRO partitions to segments; without the integration each
-    flat partition would be blocked as one 1-D tensor."""
-    if "deepspeed" in sys.modules:
-        _install("deepspeed")
+    flat partition would be blocked as one 1-D tensor. So a Gefen built while DeepSpeed is
+    loaded installs it."""
+
+    name = "deepspeed"
+
+    def constructed(self, opt: Optimizer) -> None:
+        if "deepspeed" in sys.modules:
+            _install("deepspeed")
+
+    def sharded(self, opt: Optimizer) -> None:
+        pass
+
+    def unconfigured(self, opt: Optimizer) -> None:
+        pass
 
 
-def _configure_fsdp2(opt) -> None:
-    importlib.import_module("gefen_dist.integrations.fsdp").configure(None, opt)
+class _FSDP:
+    """FSDP2's DTensor state is keyed per rank for DCP once Gefen finds it; FSDP1's flat
+    parameters (use_orig_params=False) and pieces of original ones (True) carry FSDP's marks,
+    and their layout is read from FSDP's units. The integration is imported only where needed."""
+
+    name = "fsdp"
+
+    def constructed(self, opt: Optimizer) -> None:
+        pass
+
+    def sharded(self, opt: Optimizer) -> None:
+        importlib.import_module("gefen_dist.integrations.fsdp").configure(None, opt)
+
+    def unconfigured(self, opt: Optimizer) -> None:
+        if any(
+            getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False)
+            for g in opt.param_groups
+            for p in g["params"]
+        ):
+            importlib.import_module("gefen_dist.integrations.fsdp").configure_found(opt)
 
 
-def _configure_fsdp1(opt) -> None:
-    """FSDP1's flat parameters (use_orig_params=False) and pieces of original ones (True) carry
-    FSDP's marks; the integration is imported only where one is found."""
-    if any(
-        getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False)
-        for g in opt.param_groups
-        for p in g["params"]
-    ):
-        importlib.import_module("gefen_dist.integrations.fsdp").configure_found(opt)
-
-
-optimizer.ON_CONSTRUCT.append(_bind_deepspeed)
-optimizer.ON_SHARDED.append(_configure_fsdp2)
-optimizer.ON_UNCONFIGURED.append(_configure_fsdp1)
+extension.register(_DeepSpeed())
+extension.register(_FSDP())

@@ -42,6 +42,7 @@ from .state import (
     block_owners,
     check_loaded,
     cross_length,
+    layout_rows,
     segment_views,
 )
 
@@ -109,7 +110,8 @@ def export(state: dict[str, torch.Tensor], segments: list[Segment]) -> list[Tens
     views = segment_views(state)
     if len(views) != len(segments):
         raise ValueError(f"state has {len(views)} segments, the layout given {len(segments)}")
-    for (_, st), seg in zip(views, segments, strict=True):
+    for view, seg in zip(views, segments, strict=True):
+        st = view.seg
         if not seg.name or seg.numel == 0:
             continue
         if st.start != seg.start or st.numel != seg.numel:
@@ -271,11 +273,12 @@ def install(
     st = allocate(segments, block_sizes, first.codebook, device)
     bits = bits_of(first.codebook)
     st["step"] = torch.tensor(first.step, dtype=torch.float32)
-    owners = block_owners(st["layout"].tolist(), bits)
+    owners = block_owners(layout_rows(st), bits)
     runs: dict[int, list] = {}  # first row of a run sharing blocks -> (view, restored) per row
-    for k, ((_, view), seg) in enumerate(zip(segment_views(st), segments, strict=True)):
+    for k, (sv, seg) in enumerate(zip(segment_views(st), segments, strict=True)):
         if not (seg.name and seg.numel):
             continue
+        view = sv.seg
         ts = _need(tensors, seg)
         if ts.step != first.step or not torch.equal(ts.codebook, first.codebook):
             raise ValueError(f"{ts.name}: another step or codebook than {first.name} in one buffer")

@@ -14,8 +14,9 @@ per column it holds.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,24 @@ class Segment:
         for s in self.shape:
             total *= s
         return total
+
+
+def encode(segments: Iterable[Segment], names: Iterable[str] | None = None) -> list[list[Any]]:
+    """Segments as checkpoints store them: plain rows [offset, numel, start, shape, name], so that
+    reading a checkpoint needs no gefen_dist class. ``names`` replaces the segments' own names
+    (DeepSpeed stores each piece's tensor label)."""
+    segs = list(segments)
+    labels = [s.name for s in segs] if names is None else list(names)
+    if len(labels) != len(segs):
+        raise ValueError(f"encode: {len(segs)} segments but {len(labels)} names")
+    return [
+        [s.offset, s.numel, s.start, list(s.shape), n] for s, n in zip(segs, labels, strict=True)
+    ]
+
+
+def decode(rows: Iterable[Sequence[Any]]) -> list[Segment]:
+    """``encode``'s rows (lists, or the tuples older checkpoints hold) as segments."""
+    return [Segment(int(o), int(n), int(s), tuple(shape), name) for o, n, s, shape, name in rows]
 
 
 @dataclass(frozen=True)

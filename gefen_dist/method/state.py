@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 
@@ -45,8 +47,61 @@ CROSS_FLOOR = 1e-2
 MIN_CROSS_BLOCKS = 16
 """A tensor of fewer blocks keeps no ``v_cross``."""
 GROWING_KEYS = ("codes", "absmax", "v", "v_cross", "exp_avg", "exp_avg_sq")
-LAYOUT_COLS = 5
 DENSE_DTYPE = torch.bfloat16
+
+
+class LayoutCol(IntEnum):
+    """The columns of ``layout``, a saved format (``docs/history.md`` before changing it)."""
+
+    OFFSET = 0
+    NUMEL = 1
+    START = 2
+    BLOCK = 3
+    CROSS = 4
+    """Entries of v_cross the segment keeps, or -(k + 1): it uses segment k's copy."""
+
+
+LAYOUT_COLS = len(LayoutCol)
+
+
+class LayoutRow(NamedTuple):
+    """One row of ``layout``, read by name."""
+
+    offset: int
+    numel: int
+    start: int
+    block: int
+    cross: int
+
+    @property
+    def cross_entries(self) -> int:
+        """v_cross entries this segment keeps itself (0 where it uses another's copy)."""
+        return max(self.cross, 0)
+
+    @property
+    def cross_copy_of(self) -> int | None:
+        """The earlier segment whose v_cross this one uses, or None (it keeps its own, or none)."""
+        return -self.cross - 1 if self.cross < 0 else None
+
+
+def layout_rows(state: Mapping[str, torch.Tensor]) -> list[LayoutRow]:
+    return [LayoutRow(*r) for r in state["layout"].tolist()]
+
+
+class SegmentView(NamedTuple):
+    """A segment's views into its parameter's state, and where it lies in the buffer."""
+
+    offset: int
+    seg: SegmentState
+
+
+class StepView(NamedTuple):
+    """What the update steps as one segment (``step_views``): views, buffer offset, and the
+    first layout row it covers."""
+
+    offset: int
+    first: int
+    seg: SegmentState
 
 
 def _cross_entries(seg: Segment, block_size: int) -> int:
@@ -76,7 +131,7 @@ def cross_column(segments: list[Segment], block_sizes: list[int]) -> list[int]:
     return out
 
 
-def block_owners(rows: list[list[int]], bits: int) -> list[int]:
+def block_owners(rows: list[LayoutRow], bits: int) -> list[int]:
     """For each layout row (offset, numel, start, block, v_cross entries), the segment whose
     block v and absmax it uses: its own, or the first of a run of row pieces of one
     column-blocked tensor (same columns of consecutive rows, one after the other in the buffer,
@@ -84,35 +139,35 @@ def block_owners(rows: list[list[int]], bits: int) -> list[int]:
     run holds the same columns of its rows: one v and absmax per column serve them all, as for
     the rows of an FSDP shard, where one per row piece would keep more state than AdamW."""
     out: list[int] = []
-    for k, (off, n, start, bs, nx) in enumerate(rows):
+    for k, row in enumerate(rows):
         out.append(k)
-        if k == 0 or bs >= 0 or nx >= 0 or n == 0 or (n * bits) % 8:
+        if k == 0 or row.block >= 0 or row.cross >= 0 or row.numel == 0 or (row.numel * bits) % 8:
             continue
-        poff, pn, pstart, pbs, pnx = rows[k - 1]
-        width = -bs
-        same_cross = -nx - 1 == (k - 1 if pnx > 0 else -pnx - 1)
+        prev = rows[k - 1]
+        width = -row.block
+        prev_copy = k - 1 if prev.cross > 0 else prev.cross_copy_of
         if (
-            pbs == bs
-            and pn == n
-            and start == pstart + width
-            and off == poff + n
-            and start % width + n <= width
-            and same_cross
+            prev.block == row.block
+            and prev.numel == row.numel
+            and row.start == prev.start + width
+            and row.offset == prev.offset + row.numel
+            and row.start % width + row.numel <= width
+            and row.cross_copy_of == prev_copy
         ):
             out[k] = out[k - 1]
     return out
 
 
-def step_views(state: dict[str, torch.Tensor]) -> list[tuple[int, int, SegmentState]]:
+def step_views(state: dict[str, torch.Tensor]) -> list[StepView]:
     """(buffer offset, first segment, views) for what the update steps as one segment: each
     segment, but a run of row pieces sharing their blocks (``block_owners``) as one piece of a
     tensor of their width (R rows of C columns, at its row r0: start r0 * C, blocks -C), which
     their contiguous memory is: per column one v and absmax, per row the tensor's v_cross."""
     views = segment_views(state)
-    rows = state["layout"].tolist()
+    rows = layout_rows(state)
     bits = bits_of(state["codebook"])
     owners = block_owners(rows, bits)
-    out: list[tuple[int, int, SegmentState]] = []
+    out: list[StepView] = []
     k = 0
     while k < len(views):
         end = k + 1
@@ -120,12 +175,12 @@ def step_views(state: dict[str, torch.Tensor]) -> list[tuple[int, int, SegmentSt
             end += 1
         offset, st = views[k]
         if end - k > 1:
-            width, n = -rows[k][3], rows[k][1]
+            width, n = -rows[k].block, rows[k].numel
             count = (end - k) * n
             nc = code_bytes(n, bits)
             at = st.codes.data_ptr() - state["codes"].data_ptr()
             st = SegmentState(
-                rows[k][2] // width * n,
+                rows[k].start // width * n,
                 count,
                 -n,
                 codes=state["codes"][at : at + (end - k) * nc],
@@ -133,7 +188,7 @@ def step_views(state: dict[str, torch.Tensor]) -> list[tuple[int, int, SegmentSt
                 v=st.v,
                 v_cross=st.v_cross,
             )
-        out.append((offset, k, st))
+        out.append(StepView(offset, k, st))
         k = end
     return out
 
@@ -145,7 +200,7 @@ def allocate(
     n_codes = n_blocks = n_dense = 0
     cross = cross_column(segments, block_sizes)
     rows = [
-        [s.offset, s.numel, s.start, bs, nx]
+        LayoutRow(s.offset, s.numel, s.start, bs, nx)
         for s, bs, nx in zip(segments, block_sizes, cross, strict=True)
     ]
     owners = block_owners(rows, bits)
@@ -172,12 +227,12 @@ def allocate(
     }
 
 
-def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentState]]:
-    """(buffer offset, views) for each segment, in layout order."""
+def segment_views(state: Mapping[str, torch.Tensor]) -> list[SegmentView]:
+    """Each segment's views, in layout order."""
     bits = bits_of(state["codebook"])
-    out = []
+    out: list[SegmentView] = []
     c = b = x = d = 0
-    rows = state["layout"].tolist()
+    rows = layout_rows(state)
     owners = block_owners(rows, bits)
     for k, (offset, numel, start, bs, nx) in enumerate(rows):
         if bs == 1:
@@ -200,13 +255,14 @@ def segment_views(state: dict[str, torch.Tensor]) -> list[tuple[int, SegmentStat
                 v=state["v"][b : b + nb],
                 v_cross=state["v_cross"][x : x + nx] if nx > 0 else None,
             )
-            if nx < 0:  # the copy of an earlier segment of the same tensor
-                st.v_cross = out[-nx - 1][1].v_cross
+            copy_of = rows[k].cross_copy_of
+            if copy_of is not None:  # an earlier segment of the same tensor holds the copy
+                st.v_cross = out[copy_of].seg.v_cross
             if owners[k] != k:  # a row of a run: the first row's column blocks
-                st.absmax, st.v = out[owners[k]][1].absmax, out[owners[k]][1].v
+                st.absmax, st.v = out[owners[k]].seg.absmax, out[owners[k]].seg.v
                 nb = 0
-            c, b, x = c + nc, b + nb, x + max(nx, 0)
-        out.append((offset, st))
+            c, b, x = c + nc, b + nb, x + rows[k].cross_entries
+        out.append(SegmentView(offset, st))
     return out
 
 
@@ -235,8 +291,10 @@ def upgrade(state: dict, segments: list[Segment]) -> dict:
             state[k] = state[k].to(DENSE_DTYPE)
     layout = state.get("layout")
     if "v_cross" not in state and _rows(layout, 4, segments) and _dense(state.get("v")):
-        rows = layout.tolist()
-        entries = [_cross_entries(s, int(r[3])) for s, r in zip(segments, rows, strict=True)]
+        rows = layout.tolist()  # the 4 columns before CROSS
+        entries = [
+            _cross_entries(s, int(r[LayoutCol.BLOCK])) for s, r in zip(segments, rows, strict=True)
+        ]
         state = {
             **state,
             "layout": torch.cat(
@@ -263,9 +321,9 @@ def _one_copy(state: dict, segments: list[Segment]) -> dict:
     layout, vx = state.get("layout"), state.get("v_cross")
     if not _rows(layout, LAYOUT_COLS, segments) or not _dense(vx):
         return state
-    rows = layout.tolist()
-    want = cross_column(segments, [int(r[3]) for r in rows])
-    saved = [int(r[4]) for r in rows]
+    rows = layout_rows(state)
+    want = cross_column(segments, [r.block for r in rows])
+    saved = [r.cross for r in rows]
     if saved == want or sum(saved) != vx.numel():
         return state
     keep, at = [], 0
@@ -276,7 +334,7 @@ def _one_copy(state: dict, segments: list[Segment]) -> dict:
             keep.append(vx[at : at + n])
         at += n
     new = layout.clone()
-    new[:, 4] = torch.tensor(want, dtype=layout.dtype)
+    new[:, LayoutCol.CROSS] = torch.tensor(want, dtype=layout.dtype)
     return {**state, "layout": new, "v_cross": torch.cat(keep) if keep else vx[:0].clone()}
 
 
@@ -296,7 +354,8 @@ def check_loaded(state: dict, segments: list[Segment], bits: int, name: str) -> 
         raise ValueError(
             f"{where}: 'layout' is {tuple(layout.shape)}, expected (segments, {LAYOUT_COLS})"
         )
-    saved = [tuple(r[:3]) for r in layout.tolist()]
+    rows = layout_rows(state)
+    saved = [(r.offset, r.numel, r.start) for r in rows]
     here = [(s.offset, s.numel, s.start) for s in segments]
     if saved != here:
         raise ValueError(
@@ -304,7 +363,7 @@ def check_loaded(state: dict, segments: list[Segment], bits: int, name: str) -> 
             f"but the parameter here has {here}: a different model or sharding"
         )
     load_check.check_codebook(state["codebook"], bits, name)
-    blocks = [int(r[3]) for r in layout.tolist()]
+    blocks = [r.block for r in rows]
     for seg, bs in zip(segments, blocks, strict=True):
         row = seg.tensor_numel // seg.shape[0] if len(seg.shape) > 1 and seg.shape[0] else 0
         if not (1 <= bs <= MAX_BLOCK or (bs < 0 and -bs == row)):
@@ -314,10 +373,11 @@ def check_loaded(state: dict, segments: list[Segment], bits: int, name: str) -> 
                 f"{seg.shape} (must be 1 to {MAX_BLOCK}{columns})"
             )
     ref = allocate(segments, blocks, state["codebook"].float(), torch.device("meta"))
-    if layout[:, 4].tolist() != ref["layout"][:, 4].tolist():
+    got, want = (t[:, LayoutCol.CROSS].tolist() for t in (layout, ref["layout"]))
+    if got != want:
         raise ValueError(
-            f"{where}: its 'layout' gives v_cross entries per segment {layout[:, 4].tolist()}, "
-            f"expected {ref['layout'][:, 4].tolist()} for these tensors and block sizes"
+            f"{where}: its 'layout' gives v_cross entries per segment {got}, "
+            f"expected {want} for these tensors and block sizes"
         )
     for k in GROWING_KEYS:
         t = state[k]

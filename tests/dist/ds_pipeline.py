@@ -131,8 +131,8 @@ def reference(stage_of: dict[str, int]) -> dict:
         whole_blocks={
             n: int(whole_opt.state[p]["layout"][0, 3]) for n, p in whole.named_parameters()
         },
-        codebooks=[opt._codebooks[PARAMS["bits"]].tolist() for opt in per_stage],
-        whole_codebook=whole_opt._codebooks[PARAMS["bits"]].tolist(),
+        codebooks=[opt.codebooks[PARAMS["bits"]].tolist() for opt in per_stage],
+        whole_codebook=whole_opt.codebooks[PARAMS["bits"]].tolist(),
         after1=after1,
         final={n: p.detach().clone() for n, p in named},
         stage_state_bytes=[opt.memory_report()["state_bytes"] for opt in per_stage],
@@ -255,7 +255,7 @@ def run(ckpt: str) -> dict:
         held_numel=held,
         memory=mem,
         blocks=gd.block_sizes(eng),
-        codebook=gefen._codebooks[PARAMS["bits"]].tolist(),
+        codebook=gefen.codebooks[PARAMS["bits"]].tolist(),
         losses=losses,
         after1_diff_vs_ref=after1,
         final_diff_vs_ref=max_diff(final, ref["final"]),

@@ -79,7 +79,7 @@ def reference():
     blocks = {n: int(opt.state[p]["layout"][0, 3]) for n, p in model.named_parameters()}
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     mem = opt.memory_report()["state_bytes"]
-    cb = opt._codebooks[BITS]
+    cb = opt.codebooks[BITS]
     return dict(losses=losses, after1=after1, final=final, blocks=blocks, codebook=cb, memory=mem)
 
 
@@ -193,7 +193,7 @@ def run_one(name, run, ref, ckpt):
             out["saved_sums"] = {n: float(p.double().sum()) for n, p in saved.items()}
         losses.append(train_step(eng, s))
     out["losses"] = losses
-    out["codebook"] = eng.optimizer.optimizer._codebooks[BITS].tolist()
+    out["codebook"] = eng.optimizer.optimizer.codebooks[BITS].tolist()
     out["blocks"] = gd.block_sizes(eng)
     out["memory"] = {k: v for k, v in gd.memory_report(eng).items() if k != "tensors"}
     final = full_params(eng)
@@ -203,7 +203,7 @@ def run_one(name, run, ref, ckpt):
     out["resumed_losses"] = [train_step(resumed, s) for s in range(SAVE_AT, STEPS)]
     again = full_params(resumed)
     out["resume_exact"] = all(torch.equal(final[n], again[n]) for n in final)
-    out["resumed_codebook"] = resumed.optimizer.optimizer._codebooks[BITS].tolist()
+    out["resumed_codebook"] = resumed.optimizer.optimizer.codebooks[BITS].tolist()
 
     if run.get("adamw"):
         adamw = engine(run, opt_cls=torch.optim.AdamW)

@@ -151,7 +151,7 @@ def train(setup: str, acc: Accelerator, ck: Path, configure: bool) -> dict:
                 save_model(plugin(setup, kind), acc, model, where)
                 save_fsdp_optimizer(plugin(setup, kind), acc, opt, model, str(where))
         losses.append(step(model, opt, s))
-    integ = opt.optimizer._gefen_fsdp
+    integ = opt.optimizer.attached("fsdp")
     return dict(losses=losses, found=integ.found, model=integ.model is model)
 
 
@@ -168,9 +168,9 @@ def misuse(setup: str) -> dict[str, str]:
     out = {}
     model, opt = built(setup, plugin(setup, TYPES[0]))
     step(model, opt, 0)
-    integ = opt.optimizer._gefen_fsdp
+    integ = opt.optimizer.attached("fsdp")
     gefen_dist.integrations.fsdp.configure(model, opt)
-    out["again_same"] = "unchanged" if opt.optimizer._gefen_fsdp is integ else "changed"
+    out["again_same"] = "unchanged" if opt.optimizer.attached("fsdp") is integ else "changed"
     other, _ = built(setup, plugin(setup, TYPES[0]))
     try:
         gefen_dist.integrations.fsdp.configure(other, opt)

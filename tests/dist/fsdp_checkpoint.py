@@ -181,7 +181,7 @@ def main() -> None:
             torch.save(raw_state(opt), d / f"raw{rank}.pt")
             second = train(kind, model, opt, FIRST, SECOND)
             torch.save(full_params(model, setup), d / f"final{rank}.pt")
-            result[name] = dict(losses=first + second, codebook=opt._codebooks[bits].tolist())
+            result[name] = dict(losses=first + second, codebook=opt.codebooks[bits].tolist())
         elif mode == "resume":
             load(model, opt, path, d)
             state_exact = equal_states(raw_state(opt), torch.load(d / f"raw{rank}.pt"))

@@ -97,7 +97,7 @@ def cut_blocks(opt: Gefen) -> int:
     """Blocks that a shard boundary cuts on this rank: each piece keeps its own v and absmax."""
     n = 0
     for p, st in opt.state.items():
-        whole = {s.offset: s.tensor_numel for s in opt._segments_for(p)}
+        whole = {s.offset: s.tensor_numel for s in opt.segments_of(p)}
         for offset, numel, start, bs, _ in st["layout"].tolist():
             if bs > 1 and numel:
                 n += int(start % bs != 0) + int((start + numel) % bs != 0)
@@ -109,7 +109,7 @@ def cut_blocks(opt: Gefen) -> int:
 def padding(opt: Gefen) -> int:
     """Elements of FSDP padding on this rank (unnamed segments), kept as B = 1 state."""
     return sum(
-        seg.numel for p in opt.state for seg in opt._segments_for(p) if not seg.name and seg.numel
+        seg.numel for p in opt.state for seg in opt.segments_of(p) if not seg.name and seg.numel
     )
 
 
@@ -175,7 +175,7 @@ def block_sizes(opt: Gefen) -> dict[str, int]:
     """Block size per named tensor piece on this rank (padding segments have no name)."""
     out = {}
     for p, st in opt.state.items():
-        segs = opt._segments_for(p)
+        segs = opt.segments_of(p)
         for seg, row in zip(segs, st["layout"].tolist(), strict=True):
             if seg.name and seg.numel:
                 out[seg.name] = int(row[3])

@@ -127,7 +127,7 @@ def through_accelerate(model) -> str:
     Accelerator(cpu=True)
     opt = Gefen(model.parameters())
     gefen_dist.integrations.fsdp.configure(model, AcceleratedOptimizer(opt, device_placement=False))
-    return "configured" if getattr(opt, "_gefen_fsdp", None) is not None else "not configured"
+    return "configured" if opt.attached("fsdp") is not None else "not configured"
 
 
 def main() -> None:

@@ -73,7 +73,7 @@ def run(kind: str, setup: str, steps: int, bits: int, ref: dict, split: bool) ->
         param_drift=drift,
         state_digest=state_digest(opt),
         param_digest=param_digest(opt),
-        run_id=opt._gefen_fsdp.run,
+        run_id=opt.attached("fsdp").run,
         **groups(opt),
         memory=dict(
             state_bytes=rep["state_bytes"],

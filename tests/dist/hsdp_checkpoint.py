@@ -75,8 +75,8 @@ def main() -> None:
             torch.save(full_params(model, full), d / f"final{rank}.pt")
             result[name] = dict(
                 losses=first + second,
-                codebook=opt._codebooks[bits].tolist(),
-                run=opt._gefen_fsdp.run,
+                codebook=opt.codebooks[bits].tolist(),
+                run=opt.attached("fsdp").run,
             )
         else:
             load(model, opt, path, d)

@@ -92,4 +92,4 @@ def param_digest(opt) -> str:
 
 def groups(opt) -> dict:
     """The global ranks of the optimizer's process group (the shard group under HSDP)."""
-    return dict(shard_group=dist.get_process_group_ranks(opt._group) if opt._group else None)
+    return dict(shard_group=dist.get_process_group_ranks(opt.process_group) if opt.process_group else None)

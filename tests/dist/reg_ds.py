@@ -65,7 +65,7 @@ def run(stage):
     if isinstance(out["memory"], dict):
         del out["memory"]["tensors"]
     out["blocks"] = error_of(lambda: gd.block_sizes(eng))
-    out["codebook_levels"] = len(basic._codebooks[out["bits"]])
+    out["codebook_levels"] = len(basic.codebooks[out["bits"]])
     return out
 
 

@@ -64,7 +64,7 @@ def save_run(ck: Path, bits: int) -> dict:
     torch.save(raw_state(opt), ck / f"raw{rank}.pt")
     second = train(model, opt, FIRST, SECOND, mesh, True)
     torch.save(full_params(model), ck / f"final{rank}.pt")
-    return dict(losses=first + second, run=opt._gefen_fsdp.run)
+    return dict(losses=first + second, run=opt.attached("fsdp").run)
 
 
 def resume_run(ck: Path, bits: int) -> dict:

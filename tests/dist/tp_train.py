@@ -75,7 +75,7 @@ def run(steps: int, bits: int, ref: dict, split: bool, sp: bool = False) -> dict
         segments=segments,
         placements={n: str(tuple(p.placements)) for n, p in named.items()},
         param_drift={n: (params[n] - ref["params"][n]).abs().max().item() for n in params},
-        group=dist.get_process_group_ranks(opt._group),
+        group=dist.get_process_group_ranks(opt.process_group),
     )
     if grads is not None:
         result["grad_drift"] = grad_drift(grads, ref["grads"])

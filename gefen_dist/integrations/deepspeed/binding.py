@@ -21,14 +21,15 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from ...method.segments import encode
+from ...method.state import layout_rows
 from ...optimizer import Gefen
 from .layouts import Flat, Layout, layout_of
-from .meta import META_KEY, SegmentRow, placement
+from .meta import META_KEY, placement
 from .support import refuse_unsupported
 
 __all__ = ["BINDINGS", "Binding", "bind", "binding_of", "configure", "stepped"]
 
-LAYOUT_OFFSET, LAYOUT_BLOCK = 0, 3
 """Columns of a Gefen state's ``layout`` (``method.state``): buffer offset, block size."""
 
 
@@ -139,7 +140,7 @@ class Binding:
             if i is None:
                 continue
             f = self.flats[i]
-            segs = [SegmentRow.of(s, label) for s, label in zip(f.segments, f.labels, strict=True)]
+            segs = encode(f.segments, f.labels)
             flats.append({"buffer": i, "group": f.group, "segments": segs})
         return {**state_dict, META_KEY: {**self.meta(), "flats": flats}}
 
@@ -192,8 +193,7 @@ class Binding:
             st = self.gefen.state.get(f.tensor)
             if not st:
                 continue
-            rows = st["layout"].tolist()
-            by_offset = {int(r[LAYOUT_OFFSET]): int(r[LAYOUT_BLOCK]) for r in rows}
+            by_offset = {r.offset: r.block for r in layout_rows(st)}
             for seg, label in zip(f.segments, f.labels, strict=True):
                 if label:
                     out[label] = by_offset[seg.offset]

@@ -8,7 +8,8 @@ from typing import Any
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from .binding import LAYOUT_BLOCK, stepped
+from ...method.state import layout_rows
+from .binding import stepped
 from .meta import placement
 
 __all__ = ["block_sizes", "memory_report"]
@@ -42,7 +43,7 @@ def block_sizes(engine: Any) -> dict[str, int]:
     module = engine.module if isinstance(engine, DeepSpeedEngine) else None
     names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
     return {
-        names.get(id(p)) or gefen._name(p): int(st["layout"][0, LAYOUT_BLOCK])
+        names.get(id(p)) or gefen.name_of(p): layout_rows(st)[0].block
         for p, st in gefen.state.items()
         if st
     }

@@ -22,9 +22,9 @@ from deepspeed.checkpoint.constants import (
 )
 
 from ...method import portable
-from ...method.segments import Segment
+from ...method.segments import Segment, decode
 from ...method.state import bits_of, check_loaded
-from .meta import META_KEY, SegmentRow
+from .meta import META_KEY
 
 __all__ = ["ModelFile", "SavedZero", "model_file", "read", "read_checkpoint", "tag_of"]
 
@@ -122,7 +122,7 @@ class _First(NamedTuple):
 
 def _segments(entry: dict[str, Any]) -> list[Segment]:
     """A saved flat's segments, each named by its tensor ("" for padding)."""
-    return [SegmentRow.read(row) for row in entry["segments"]]
+    return decode(entry["segments"])
 
 
 class SavedZero:
