@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import tempfile
@@ -188,6 +189,7 @@ def here(checkout: Path) -> dict:
                 f"{backend} {bits} {dtype} failed in {checkout}:\n{r.stderr[-3000:]}"
             )
         got[f"{backend}/{bits}/{dtype}"] = r.stdout.strip().splitlines()[-1]
+        print(f"{checkout}: {backend}/{bits}/{dtype} done", file=sys.stderr, flush=True)
     for kind in DIST:
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [
@@ -195,7 +197,7 @@ def here(checkout: Path) -> dict:
                 "-m",
                 "torch.distributed.run",
                 "--nproc-per-node=2",
-                "--master-port=29617",
+                f"--master-port={_free_port()}",
                 str(script),
                 "--rank",
                 kind,
@@ -206,7 +208,14 @@ def here(checkout: Path) -> dict:
                 raise RuntimeError(f"{kind} failed in {checkout}:\n{r.stderr[-3000:]}")
             for rank in (0, 1):
                 got[f"{kind}/rank{rank}"] = (Path(tmp) / f"rank{rank}.txt").read_text()
+        print(f"{checkout}: {kind} done", file=sys.stderr, flush=True)
     return got
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _rev(checkout: Path) -> str:

@@ -104,7 +104,9 @@ def launch(launcher: str, args: list[str], log: Path, kill: str = "", timeout: f
     """One launch in its own session, so that whatever of it outlives the launcher (a rank the
     launcher failed to tear down) is seen and ended by its group id, and nothing else is."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the ranks import this checkout's gefen_dist, not whichever one pip installed
+    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     env.pop("GEFEN_CHAOS_KILL", None)
     if kill:
         env["GEFEN_CHAOS_KILL"] = kill
