@@ -15,6 +15,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -29,10 +30,40 @@
 #include <immintrin.h>
 #endif
 
+// The tables' columns, named as gefen_dist/backends/segment_table.py names them, in the same order
+// (each value is its column's index). Each list is written once, here, as an X-macro: it makes
+// the enum and the names gefen_cpu_tables() gives Python, which tests/test_tables.py compares
+// with segment_table's enums, so neither side can change alone.
+#define GEFEN_DTYPE(X) X(F32) X(BF16) X(F16) X(BF16_SR)
+#define GEFEN_META(X)                                                                      \
+  X(P) X(G) X(CODES) X(ABSMAX) X(V) X(LEVELS) X(MIDS) X(START) X(NUMEL) X(BLOCK) X(BITS)  \
+  X(P_DTYPE) X(G_DTYPE) X(EXP_AVG) X(EXP_AVG_SQ) X(N_LEVELS) X(STEP_KEY) X(FACTOR) X(V_CROSS)
+#define GEFEN_HYP(X) X(BETA1) X(W) X(BETA2) X(A2) X(DECAY) X(NEG_STEP) X(BC2) X(EPS)
+#define GEFEN_CROSS(X)                                                                     \
+  X(G) X(G_DTYPE) X(START) X(NUMEL) X(BLOCK) X(LENGTH) X(V) X(SUMS) X(COUNTS) X(V_CROSS)  \
+  X(OUT) X(PART) X(CHUNKS)
+#define GEFEN_CROSS_HYP(X) X(BETA2) X(A2) X(BC2) X(FLOOR)
+#define GEFEN_TABLES(T)                                                                    \
+  T(DType, GEFEN_DTYPE) T(Meta, GEFEN_META) T(Hyp, GEFEN_HYP) T(Cross, GEFEN_CROSS)        \
+  T(CrossHyp, GEFEN_CROSS_HYP)
+
+// Each table a namespace holding its columns (Meta::P, Cross::G) and their count (kCols), so that
+// tables with a column of the same name (G, START, V_CROSS) do not collide, and a column still
+// converts to the int that indexes a row.
+#define GEFEN_MEMBER(name) name,
+#define GEFEN_ENUM(table, columns)          \
+  namespace table {                         \
+  enum : int { columns(GEFEN_MEMBER) kCols }; \
+  }
+GEFEN_TABLES(GEFEN_ENUM)
+#undef GEFEN_ENUM
+#undef GEFEN_MEMBER
+
 namespace {
 
-// BF16SR: a bf16 parameter written with stochastic rounding (bf16_stochastic_round; never a g)
-enum DType : int { F32 = 0, BF16 = 1, F16 = 2, BF16SR = 3 };
+// DType::BF16_SR: a bf16 parameter written with stochastic rounding (bf16_stochastic_round; never
+// a g). The dtype codes are used unqualified throughout.
+using namespace DType;
 
 struct Hyper {
   float beta1, w, beta2, a2, decay, neg_step, bc2, eps;
@@ -95,7 +126,7 @@ template <> struct Elem<F16> {
   static _Float16 put_at(float x, uint32_t, uint32_t) { return static_cast<_Float16>(x); }
 };
 // codes.write_param: round_bf16 with r = codes.param_bits (the low 16 bits of the hash)
-template <> struct Elem<BF16SR> {
+template <> struct Elem<BF16_SR> {
   using T = uint16_t;
   static float get(uint16_t x) { return bf16_to_f32(x); }
   static uint16_t put_at(float x, uint32_t i, uint32_t pk) {
@@ -792,7 +823,7 @@ struct Segment {
   const float* fac;
   struct Sums* sums;  // this step's v_cross sums, taken in the update (contiguous blocks)
   float* fold;        // column blocks: the v_cross columns() folds the rows' sums into
-  uint32_t pkey = 0;  // param_key(key): the parameter write's draws (BF16SR)
+  uint32_t pkey = 0;  // param_key(key): the parameter write's draws (BF16_SR)
   // row block j's elements [lo, hi) of the piece; empty past its last block
   int64_t lo(int64_t j) const {
     return std::min(std::max((start / block + j) * block, start) - start, numel);
@@ -1065,12 +1096,16 @@ void dense_range(void* p, const void* g, uint16_t* m, uint16_t* v, int64_t lo, i
     dense_tile<PT, GT, false>(pt, gt, m + lo, v + lo, hi - lo, h, start + lo, key);
 }
 
-// The segment table's columns, as gefen_dist/segment_table.py builds them (one row per segment).
-enum Meta : int {
-  kP = 0, kG, kCodes, kAbsmax, kV, kLevels, kMids, kStart, kNumel, kBlock, kBits, kPDtype,
-  kGDtype, kExpAvg, kExpAvgSq, kNLevels, kStepKey, kFactor, kVCross, kMetaCols
-};
-constexpr int kHypCols = 8;
+// The update's fp32 row (Hyp), read as one struct.
+static_assert(sizeof(Hyper) == Hyp::kCols * sizeof(float), "Hyper is one Hyp row");
+static_assert(offsetof(Hyper, beta1) == Hyp::BETA1 * sizeof(float), "Hyp::BETA1");
+static_assert(offsetof(Hyper, w) == Hyp::W * sizeof(float), "Hyp::W");
+static_assert(offsetof(Hyper, beta2) == Hyp::BETA2 * sizeof(float), "Hyp::BETA2");
+static_assert(offsetof(Hyper, a2) == Hyp::A2 * sizeof(float), "Hyp::A2");
+static_assert(offsetof(Hyper, decay) == Hyp::DECAY * sizeof(float), "Hyp::DECAY");
+static_assert(offsetof(Hyper, neg_step) == Hyp::NEG_STEP * sizeof(float), "Hyp::NEG_STEP");
+static_assert(offsetof(Hyper, bc2) == Hyp::BC2 * sizeof(float), "Hyp::BC2");
+static_assert(offsetof(Hyper, eps) == Hyp::EPS * sizeof(float), "Hyp::EPS");
 constexpr int64_t kDenseTile = 16384;
 
 using BlockFn = void (*)(const Segment&, int64_t, int64_t, float*, float*, int32_t*);
@@ -1104,7 +1139,7 @@ bool pick(int pt, int gt, Kernels& k) {
     case F32: return pick_g<F32>(gt, k);
     case BF16: return pick_g<BF16>(gt, k);
     case F16: return pick_g<F16>(gt, k);
-    case BF16SR: return pick_g<BF16SR>(gt, k);
+    case BF16_SR: return pick_g<BF16_SR>(gt, k);
     default: return false;
   }
 }
@@ -1324,7 +1359,16 @@ int gefen_cpu_isa() {
   return 0;
 #endif
 }
-int gefen_cpu_meta_cols() { return kMetaCols; }
+// Every table's columns in order, as "Table:COL,COL,...;" per table (the X-macros above): what
+// native_cpu.tables() parses and tests/test_tables.py holds to segment_table's enums.
+const char* gefen_cpu_tables() {
+#define GEFEN_NAME(name) #name ","
+#define GEFEN_LIST(table, columns) #table ":" columns(GEFEN_NAME) ";"
+  static const char* const kTables = GEFEN_TABLES(GEFEN_LIST);
+#undef GEFEN_LIST
+#undef GEFEN_NAME
+  return kTables;
+}
 
 // Adds one to each fp32 step count at ``addrs`` (0-dim CPU tensors) and writes the new counts into
 // ``out``: one call where torch._foreach_add_ over the scalars cost a few percent of a small step.
@@ -1336,12 +1380,12 @@ void gefen_cpu_count_steps(const int64_t* addrs, int n, float* out) {
   }
 }
 
-// One step over a segment table: ``meta`` (n_seg x kMetaCols int64, the columns of Meta), ``hyp``
+// One step over a segment table: ``meta`` (n_seg x Meta::kCols int64, the columns of Meta), ``hyp``
 // (n_seg x 8 fp32: beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t),
 // sqrt(1 - beta2^t), eps), ``v_done`` (n_seg flags, or null: 1 where gefen_cpu_cross_sums has
 // folded this step's g^2 into the segment's v, contiguous blocks only). Blocks and dense tiles of
-// every segment share the threads. A row with kVCross (a tensor held whole, B != 1, and a
-// kFactor buffer of its v_cross entries) gets its factor from v_cross as the steps before left
+// every segment share the threads. A row with Meta::V_CROSS (a tensor held whole, B != 1, and a
+// Meta::FACTOR buffer of its v_cross entries) gets its factor from v_cross as the steps before left
 // it, with ``floor_c``, and this step's sums folded in after, taken in the update's own read of
 // g (reference.cross_factor); where v_cross is all zero (a first step), a pass over g gives the
 // sums first and the factor comes from the fold. Returns 0, or -(row + 1) for a row whose
@@ -1366,47 +1410,47 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done,
   int64_t width = 1;
   for (int s = 0; s < n_seg; ++s) {
     Prep& r = prep[s];
-    const int64_t* m = meta + static_cast<int64_t>(s) * kMetaCols;
+    const int64_t* m = meta + static_cast<int64_t>(s) * Meta::kCols;
     r.m = m;
     Hyper h;
-    std::memcpy(&h, hyp + static_cast<int64_t>(s) * kHypCols, sizeof(Hyper));
-    const int64_t numel = m[kNumel], block = m[kBlock], bits = m[kBits];
-    if (!pick(static_cast<int>(m[kPDtype]), static_cast<int>(m[kGDtype]), r.fn) ||
+    std::memcpy(&h, hyp + static_cast<int64_t>(s) * Hyp::kCols, sizeof(Hyper));
+    const int64_t numel = m[Meta::NUMEL], block = m[Meta::BLOCK], bits = m[Meta::BITS];
+    if (!pick(static_cast<int>(m[Meta::P_DTYPE]), static_cast<int>(m[Meta::G_DTYPE]), r.fn) ||
         block == 0 || numel < 0 || (block != 1 && bits != 4 && bits != 8) ||
-        (m[kVCross] && (block == 1 || m[kStart] != 0 || !m[kFactor] || (v_done && v_done[s]))))
+        (m[Meta::V_CROSS] && (block == 1 || m[Meta::START] != 0 || !m[Meta::FACTOR] || (v_done && v_done[s]))))
       return -(s + 1);
     const bool four = bits == 4;
-    const float* levels = reinterpret_cast<const float*>(m[kLevels]);
+    const float* levels = reinterpret_cast<const float*>(m[Meta::LEVELS]);
     const Levels4* l4 = nullptr;
     const Levels8* l8 = nullptr;
     int n_mids = 0;
     if (numel > 0 && block != 1) {
-      n_mids = static_cast<int>(m[kNLevels]) - 1;
+      n_mids = static_cast<int>(m[Meta::N_LEVELS]) - 1;
       if (n_mids + 1 != (four ? 16 : 256)) return -(s + 1);
       if (four) {  // stochastic rounding works on the levels; midpoints are for 8 bits
         l4 = per_codebook(books, levels, [&](Levels4& l) { levels4(levels, l); });
       } else {
-        const auto* mids = reinterpret_cast<const float*>(m[kMids]);
+        const auto* mids = reinterpret_cast<const float*>(m[Meta::MIDS]);
         l8 = per_codebook(tables, levels, [&](Levels8& l) { levels8(levels, mids, n_mids, l); });
       }
       if (block > 0) width = std::max(width, std::min(block, numel));
     }
-    r.b = Segment{reinterpret_cast<void*>(m[kP]), reinterpret_cast<const void*>(m[kG]),
-                  reinterpret_cast<uint8_t*>(m[kCodes]), reinterpret_cast<float*>(m[kAbsmax]),
-                  reinterpret_cast<float*>(m[kV]), levels, l8, m[kStart], numel, block, four,
-                  v_done && v_done[s], static_cast<uint32_t>(m[kStepKey]), h, l4,
-                  reinterpret_cast<const float*>(m[kFactor]), nullptr, nullptr,
-                  param_key(static_cast<uint32_t>(m[kStepKey]))};
+    r.b = Segment{reinterpret_cast<void*>(m[Meta::P]), reinterpret_cast<const void*>(m[Meta::G]),
+                  reinterpret_cast<uint8_t*>(m[Meta::CODES]), reinterpret_cast<float*>(m[Meta::ABSMAX]),
+                  reinterpret_cast<float*>(m[Meta::V]), levels, l8, m[Meta::START], numel, block, four,
+                  v_done && v_done[s], static_cast<uint32_t>(m[Meta::STEP_KEY]), h, l4,
+                  reinterpret_cast<const float*>(m[Meta::FACTOR]), nullptr, nullptr,
+                  param_key(static_cast<uint32_t>(m[Meta::STEP_KEY]))};
   }
   // the rows are sound: the factors, and where their sums come from
   std::vector<std::unique_ptr<Sums>> sums;
   for (int s = 0; s < n_seg; ++s) {
     Segment& b = prep[s].b;
     const int64_t* m = prep[s].m;
-    auto* vx = reinterpret_cast<float*>(m[kVCross]);
+    auto* vx = reinterpret_cast<float*>(m[Meta::V_CROSS]);
     if (!vx || b.numel == 0) continue;
     const int64_t length = b.block > 0 ? b.block : (b.numel - b.block - 1) / -b.block;
-    auto* out = reinterpret_cast<float*>(m[kFactor]);
+    auto* out = reinterpret_cast<float*>(m[Meta::FACTOR]);
     if (factor_from(vx, length, b.h.bc2, floor_c, out)) {
       if (b.block > 0) {
         sums.push_back(std::make_unique<Sums>(b.numel, b.block, vx, b.h.beta2, b.h.a2));
@@ -1416,7 +1460,7 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done,
       }
     } else {
       std::vector<double> sc(2 * length, 0.0);
-      cross_sums_of(static_cast<int>(m[kGDtype]), b.g, 0, b.numel, b.block, sc.data(),
+      cross_sums_of(static_cast<int>(m[Meta::G_DTYPE]), b.g, 0, b.numel, b.block, sc.data(),
                     sc.data() + length, threads, nullptr, 0.0f, 0.0f);
       factor_and_fold(sc.data(), sc.data() + length, length, vx, b.h.beta2, b.h.a2, b.h.bc2,
                       floor_c, out);
@@ -1444,13 +1488,13 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done,
       const Run& run = runs[i];
       const Prep& r = prep[run.s];
       const int64_t* m = r.m;
-      if (m[kBlock] == 1) {
+      if (m[Meta::BLOCK] == 1) {
         for (int64_t j = run.j0; j < run.j1; ++j) {
-          const int64_t lo = j * kDenseTile, hi = std::min(lo + kDenseTile, m[kNumel]);
-          r.fn.dense(reinterpret_cast<void*>(m[kP]), reinterpret_cast<const void*>(m[kG]),
-                     reinterpret_cast<uint16_t*>(m[kExpAvg]),
-                     reinterpret_cast<uint16_t*>(m[kExpAvgSq]), lo, hi, r.b.h, m[kStart],
-                     static_cast<uint32_t>(m[kStepKey]));
+          const int64_t lo = j * kDenseTile, hi = std::min(lo + kDenseTile, m[Meta::NUMEL]);
+          r.fn.dense(reinterpret_cast<void*>(m[Meta::P]), reinterpret_cast<const void*>(m[Meta::G]),
+                     reinterpret_cast<uint16_t*>(m[Meta::EXP_AVG]),
+                     reinterpret_cast<uint16_t*>(m[Meta::EXP_AVG_SQ]), lo, hi, r.b.h, m[Meta::START],
+                     static_cast<uint32_t>(m[Meta::STEP_KEY]));
         }
       } else {
         r.fn.block(r.b, run.j0, run.j1, buf.data(), other.data(), idx.data());
@@ -1486,7 +1530,7 @@ void gefen_cpu_cross_factor(const double* sums, const double* counts, int64_t n,
 }
 
 // The factor pass of every factored segment of a step in one call: ``meta`` (n_seg x
-// kCrossCols int64, the columns of CrossCol), ``hyp`` (n_seg x 4 fp32: beta2, 1 - beta2,
+// Cross::kCols int64, the columns of Cross), ``hyp`` (n_seg x 4 fp32: beta2, 1 - beta2,
 // sqrt(1 - beta2^t), the factor's floor). Each row is gefen_cpu_cross_sums into its sums and
 // counts, then, where it has an ``out`` (a tensor held whole, not spread over ranks),
 // gefen_cpu_cross_factor into it. Segments go to threads whole, largest first, and one that
@@ -1494,41 +1538,40 @@ void gefen_cpu_cross_factor(const double* sums, const double* counts, int64_t n,
 // segment's sums come from chunks fixed by its shape, so the bits do not depend on the
 // schedule. One call instead of two per tensor saves the Python and the parallel-region start
 // each would cost. Returns 0, or -(row + 1) for a row it refuses (nothing is written then).
-enum CrossCol { kCG, kCGDtype, kCStart, kCNumel, kCBlock, kCLength, kCV, kCSums, kCCounts,
-                kCVCross, kCOut, kCrossCols };
-
 int gefen_cpu_cross_table(const int64_t* meta, const float* hyp, int n_seg, int threads) {
   std::vector<int> order(n_seg);
   int64_t total = 0;
   for (int s = 0; s < n_seg; ++s) {
-    const int64_t* m = meta + static_cast<int64_t>(s) * kCrossCols;
-    const int64_t dt = m[kCGDtype];
-    if ((dt != F32 && dt != BF16 && dt != F16) || m[kCBlock] == 0 || m[kCBlock] == 1 ||
-        m[kCNumel] < 0 || (m[kCV] && m[kCBlock] < 0))
+    const int64_t* m = meta + static_cast<int64_t>(s) * Cross::kCols;
+    const int64_t dt = m[Cross::G_DTYPE];
+    if ((dt != F32 && dt != BF16 && dt != F16) || m[Cross::BLOCK] == 0 || m[Cross::BLOCK] == 1 ||
+        m[Cross::NUMEL] < 0 || (m[Cross::V] && m[Cross::BLOCK] < 0))
       return -(s + 1);
     order[s] = s;
-    total += m[kCNumel];
+    total += m[Cross::NUMEL];
   }
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-    return meta[static_cast<int64_t>(a) * kCrossCols + kCNumel] >
-           meta[static_cast<int64_t>(b) * kCrossCols + kCNumel];
+    return meta[static_cast<int64_t>(a) * Cross::kCols + Cross::NUMEL] >
+           meta[static_cast<int64_t>(b) * Cross::kCols + Cross::NUMEL];
   });
   const int team = std::max(threads, 1);
   auto run = [&](int s, int inner) {
-    const int64_t* m = meta + static_cast<int64_t>(s) * kCrossCols;
-    const float* h = hyp + static_cast<int64_t>(s) * 4;
-    auto* sums = reinterpret_cast<double*>(m[kCSums]);
-    auto* counts = reinterpret_cast<double*>(m[kCCounts]);
-    gefen_cpu_cross_sums(reinterpret_cast<const void*>(m[kCG]), static_cast<int>(m[kCGDtype]),
-                         m[kCStart], m[kCNumel], m[kCBlock], sums, counts, inner,
-                         reinterpret_cast<float*>(m[kCV]), h[0], h[1]);
-    if (m[kCOut])
-      gefen_cpu_cross_factor(sums, counts, m[kCLength], reinterpret_cast<float*>(m[kCVCross]),
-                             h[0], h[1], h[2], h[3], reinterpret_cast<float*>(m[kCOut]));
+    const int64_t* m = meta + static_cast<int64_t>(s) * Cross::kCols;
+    const float* h = hyp + static_cast<int64_t>(s) * CrossHyp::kCols;
+    auto* sums = reinterpret_cast<double*>(m[Cross::SUMS]);
+    auto* counts = reinterpret_cast<double*>(m[Cross::COUNTS]);
+    gefen_cpu_cross_sums(reinterpret_cast<const void*>(m[Cross::G]), static_cast<int>(m[Cross::G_DTYPE]),
+                         m[Cross::START], m[Cross::NUMEL], m[Cross::BLOCK], sums, counts, inner,
+                         reinterpret_cast<float*>(m[Cross::V]), h[CrossHyp::BETA2],
+                         h[CrossHyp::A2]);
+    if (m[Cross::OUT])
+      gefen_cpu_cross_factor(sums, counts, m[Cross::LENGTH], reinterpret_cast<float*>(m[Cross::V_CROSS]),
+                             h[CrossHyp::BETA2], h[CrossHyp::A2], h[CrossHyp::BC2], h[CrossHyp::FLOOR],
+                             reinterpret_cast<float*>(m[Cross::OUT]));
   };
   int big = 0;  // the largest first: those over a thread's share run one at a time, all threads
   while (big < n_seg && team > 1 &&
-         meta[static_cast<int64_t>(order[big]) * kCrossCols + kCNumel] * team > total)
+         meta[static_cast<int64_t>(order[big]) * Cross::kCols + Cross::NUMEL] * team > total)
     run(order[big++], team);
 #pragma omp parallel for num_threads(team) schedule(dynamic, 1) if (team > 1 && n_seg - big > 1)
   for (int i = big; i < n_seg; ++i) run(order[i], 1);

@@ -48,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from gefen_dist import Gefen, Segment  # noqa: E402
-from gefen_dist.backends import triton_backend  # noqa: E402
+from gefen_dist.backends import triton_backend, triton_checks  # noqa: E402
 from gefen_dist.method import codebook as cb  # noqa: E402
 from gefen_dist.method import state  # noqa: E402
 from gefen_dist.method.codes import unpack4  # noqa: E402
@@ -151,7 +151,7 @@ def check_layout(name: str, parts: list, bits: int, dtype, device, steps: int = 
             d = (cr.long() - cn.long()).abs()
             worst["code_max"] = max(worst["code_max"], int(d.max()))
             worst["code_frac"] = max(worst["code_frac"], (d > 0).float().mean().item())
-    p_tol = triton_backend.PARAM_RTOL[dtype]
+    p_tol = triton_checks.PARAM_RTOL[dtype]
     ok = (
         worst["p"] <= p_tol
         and worst["v"] <= 1e-5
@@ -553,7 +553,7 @@ def probe(device, copy_numel: int) -> dict:
     probe_t = torch.zeros(1, device=device)
     usable = triton_backend.supports(probe_t, probe_t) and triton_backend.available(device)
     out["backend_error"] = None if usable else triton_backend.build_error(device) or "unsupported"
-    out["variants"] = sorted(_variant(n, c) for n, _, c in triton_backend.variants())
+    out["variants"] = sorted(_variant(n, c) for n, _, c in triton_checks.variants())
     for name in ("bitsandbytes", "torchao"):
         try:
             out[name] = __import__(name).__version__

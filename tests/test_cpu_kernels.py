@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from gefen_dist import Gefen, Segment
+from gefen_dist.backends.segment_table import Meta
+from gefen_dist.backends.work import CrossWork, SegmentWork
 from gefen_dist.method import codebook as cb
 from gefen_dist.method import state
 from gefen_dist.method.codes import midpoints, unpack4
@@ -531,8 +533,12 @@ def test_native_step_names_the_segment_it_refuses_and_writes_nothing():
         0, 64, 16, codes=torch.zeros(32, dtype=torch.uint8), absmax=torch.zeros(4), v=torch.zeros(4)
     )
     ps, gs = [torch.zeros(64), torch.zeros(64)], [torch.ones(64), torch.ones(64)]
-    work = [(ps[0], gs[0], dense, h, levels, mids, 4), (ps[1], gs[1], blocked, h, levels, mids, 6)]
-    with pytest.raises(RuntimeError, match=r"refused a segment .*, 0, 64, 16, 6, \d+, \d+, "):
+    work = [
+        SegmentWork(ps[0], gs[0], dense, h, levels, mids, 4),
+        SegmentWork(ps[1], gs[1], blocked, h, levels, mids, 6),
+    ]
+    named = r"'START': 0, 'NUMEL': 64, 'BLOCK': 16, 'BITS': 6, "
+    with pytest.raises(RuntimeError, match=r"refused a segment .*" + named):
         native_cpu.step(work)
     assert not ps[0].any() and not ps[1].any()
 
@@ -577,9 +583,10 @@ def test_native_cross_table_equals_the_per_segment_calls(threads):
             v = None if st.v is None else st.v.clone()
             copy = reference.SegmentState(st.start, st.numel, st.block_size, v=v)
             copy.v_cross = st.v_cross.clone()
-            mine.append((g, copy, h, spec[4]))
+            mine.append(CrossWork(g, copy, h, spec[4]))
         got = native_cpu.cross_table(mine).results
-        for (g, st), (_, mst, _, whole), (sums, counts, f) in zip(segs, mine, got, strict=True):
+        for (g, st), w, (sums, counts, f) in zip(segs, mine, got, strict=True):
+            mst, whole = w.seg, w.whole
             want = native_cpu.cross_sums(g, st.start, st.block_size, st.v_cross.numel(), st.v, h)
             if st.v is not None:
                 assert torch.equal(mst.v, st.v)
@@ -601,7 +608,9 @@ def test_native_cross_table_refuses_a_b1_segment_and_writes_nothing():
     v0 = st.v.clone()
     bad = reference.SegmentState(0, 64, 1, v_cross=torch.zeros(4))
     with pytest.raises(RuntimeError, match="refused a segment: torch.float32 gradient, block 1"):
-        native_cpu.cross_table([(g, st, h, True), (torch.zeros(64), bad, h, True)])
+        native_cpu.cross_table(
+            [CrossWork(g, st, h, True), CrossWork(torch.zeros(64), bad, h, True)]
+        )
     assert torch.equal(st.v, v0)
 
 
@@ -672,11 +681,11 @@ def test_the_step_takes_a_whole_tensors_factor_pass_in_its_update(
                 gdtype
             )
             h = reference.Hyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=t)
-            table = native_cpu.step([(p, g, st, h, levels, mids, bits)])
-            assert table.meta[native_cpu.table.V_CROSS_COL] == st.v_cross.data_ptr()
+            table = native_cpu.step([SegmentWork(p, g, st, h, levels, mids, bits)])
+            assert table.meta[Meta.V_CROSS] == st.v_cross.data_ptr()
             sums, counts = native_cpu.cross_sums(g, 0, block, twin.v_cross.numel())
             f = native_cpu.cross_factor(twin, h, sums, counts)
-            native_cpu.step([(q, g, twin, h, levels, mids, bits, f, False)])
+            native_cpu.step([SegmentWork(q, g, twin, h, levels, mids, bits, f)])
             assert torch.equal(st.v_cross, twin.v_cross), t
             assert torch.equal(table.keep[0], f), t
             for name in ("codes", "absmax", "v"):
@@ -706,10 +715,10 @@ def test_the_step_takes_a_whole_column_tensors_row_sums_in_its_first_pass(bits):
     for t in range(1, 5):
         g = torch.randn(numel, generator=gen) * rows.repeat_interleave(96)[:numel]
         h = reference.Hyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=t)
-        table = native_cpu.step([(p, g, st, h, levels, mids, bits)])
+        table = native_cpu.step([SegmentWork(p, g, st, h, levels, mids, bits)])
         sums, counts = native_cpu.cross_sums(g, 0, block, twin.v_cross.numel())
         f = native_cpu.cross_factor(twin, h, sums, counts)
-        native_cpu.step([(q, g, twin, h, levels, mids, bits, f, False)])
+        native_cpu.step([SegmentWork(q, g, twin, h, levels, mids, bits, f)])
         torch.testing.assert_close(table.keep[0], f, rtol=2e-7, atol=0)
         torch.testing.assert_close(st.v_cross, twin.v_cross, rtol=2e-7, atol=0)
         assert st.v_cross.gt(0).all() and (table.keep[0] - f).abs().max() < 1e-5
@@ -729,7 +738,7 @@ def test_a_refused_fused_row_writes_nothing():
     bad.start = 64
     ps = [torch.zeros(64 * 20), torch.zeros(64 * 20)]
     g = torch.ones(64 * 20)
-    t = native_cpu.StepTable([(ps[0], g, good, h, levels, mids, 4)])
+    t = native_cpu.StepTable([SegmentWork(ps[0], g, good, h, levels, mids, 4)])
     t.meta.extend(
         native_cpu.table.row(ps[1], g, bad, levels, mids, 4, 1, torch.empty(64), bad.v_cross)
     )

@@ -29,6 +29,7 @@ from needs import extra, triton_interpreter  # noqa: E402
 
 from gefen_dist.backends import segment_table  # noqa: E402
 from gefen_dist.backends import triton_backend as tb  # noqa: E402
+from gefen_dist.backends import triton_checks as checks  # noqa: E402
 from gefen_dist.backends.reference import (  # noqa: E402
     block_update,
     column_update,
@@ -37,6 +38,8 @@ from gefen_dist.backends.reference import (  # noqa: E402
     cross_sums,
     dense_update,
 )
+from gefen_dist.backends.segment_table import CrossHyp, Hyp  # noqa: E402
+from gefen_dist.backends.work import CrossDest, CrossWork, FactorWork, SegmentWork  # noqa: E402
 from gefen_dist.method import codebook  # noqa: E402
 from gefen_dist.method.codes import (  # noqa: E402
     hash_bits,
@@ -89,13 +92,22 @@ def _store(p: torch.Tensor, x: np.ndarray) -> None:
     p.copy_(torch.from_numpy(x))  # torch rounds fp32 to bf16 / fp16 to nearest even
 
 
+_HYP_REST = (Hyp.DECAY, Hyp.NEG_STEP, Hyp.BC2, Hyp.EPS)
+
+
+def _hyp(h, *columns):
+    """The kernels' fp32 hyperparameters (``segment_table.hyper_row``) at ``columns``."""
+    row = np.array(segment_table.hyper_row(h), dtype=F32)
+    return tuple(row[c] for c in columns)
+
+
 class Twin:
     """The kernels' arithmetic, one segment at a time, in numpy fp32 (every operation
     correctly rounded, none fused), sums of g^2 in fp64."""
 
     @staticmethod
     def dense(p, g, st, h):
-        b1, w, b2, a2, decay, neg, bc2, eps = np.array(segment_table.hyper_row(h), dtype=F32)
+        w, b2, a2, decay, neg, bc2, eps = _hyp(h, Hyp.W, Hyp.BETA2, Hyp.A2, *_HYP_REST)
         gi, pi = _np(g), _np(p) * decay
         mi = _lerp(_np(st.exp_avg), gi, w)
         vi = _np(st.exp_avg_sq) * b2 + (a2 * gi) * gi
@@ -108,7 +120,7 @@ class Twin:
     @staticmethod
     def blocks(p, g, st, h, levels, mids, bits, f):
         """block_update (B > 1) and column_update (B < 0) with factor ``f`` (or None)."""
-        b1, w, b2, a2, decay, neg, bc2, eps = np.array(segment_table.hyper_row(h), dtype=F32)
+        w, b2, a2, decay, neg, bc2, eps = _hyp(h, Hyp.W, Hyp.BETA2, Hyp.A2, *_HYP_REST)
         n, B, start = st.numel, st.block_size, st.start
         i = np.arange(n)
         if B > 0:
@@ -154,7 +166,10 @@ class Twin:
     @staticmethod
     def factor(st, h, sums, counts):
         """cross_factor_kernel: fp64 means, fold, the factor from the lagged or folded v."""
-        b2, a2, bc2, floor = np.array(segment_table.cross_hyper_row(h), dtype=F32)
+        hyp = np.array(segment_table.cross_hyper_row(h), dtype=F32)
+        b2, a2, bc2, floor = (
+            hyp[c] for c in (CrossHyp.BETA2, CrossHyp.A2, CrossHyp.BC2, CrossHyp.FLOOR)
+        )
         v = _np(st.v_cross)
         n = v.size
         before = F32(v.astype(np.float64).sum() / n)
@@ -219,18 +234,18 @@ def _state(start, numel, block, bits, tensor_numel=None, gen=None) -> SegmentSta
 
 def _copy(st: SegmentState) -> SegmentState:
     return dataclasses.replace(
-        st, **{k: getattr(st, k).clone() for k in tb.STATE_FIELDS if getattr(st, k) is not None}
+        st, **{k: getattr(st, k).clone() for k in checks.STATE_FIELDS if getattr(st, k) is not None}
     )
 
 
 def _assign(dst: SegmentState, src: SegmentState) -> None:
-    for k in tb.STATE_FIELDS:
+    for k in checks.STATE_FIELDS:
         if getattr(src, k) is not None:
             getattr(dst, k).copy_(getattr(src, k))
 
 
 def _equal(st: SegmentState, twin: SegmentState, what: str) -> None:
-    for k in tb.STATE_FIELDS:
+    for k in checks.STATE_FIELDS:
         a, b = getattr(st, k), getattr(twin, k)
         if a is not None:
             assert torch.equal(a, b), f"{k} differs from the twin ({what})"
@@ -284,12 +299,12 @@ def test_each_step_from_the_reference_state(layout):
         h = _hyper(t, beta1=0.3 if t == 2 else 0.9)
         mine, twin = _copy(ref), _copy(ref)
         p, p_twin, before = p_ref.clone(), p_ref.clone(), p_ref.clone()
-        tb.step([(p, g, mine, h, levels, mids, bits)])
+        tb.step([SegmentWork(p, g, mine, h, levels, mids, bits)])
         Twin.step(p_twin, g, twin, h, levels, mids, bits)
         assert torch.equal(p, p_twin), f"parameters differ from the twin (step {t})"
         _equal(mine, twin, f"step {t}")
         _reference(p_ref, g, ref, h, levels, mids, bits)
-        tb.agree(p, mine, p_ref, ref, before, bits, f"step {t}")
+        checks.agree(p, mine, p_ref, ref, before, bits, f"step {t}")
 
 
 def test_a_tie_goes_to_the_lower_level():
@@ -308,7 +323,7 @@ def test_a_tie_goes_to_the_lower_level():
     h = Hyper(lr=1e-3, beta1=0.5, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1)
     ref, twin = _copy(st), _copy(st)
     p = torch.zeros(n)
-    tb.step([(p, g, st, h, levels, mids, 8)])
+    tb.step([SegmentWork(p, g, st, h, levels, mids, 8)])
     _reference(torch.zeros(n), g, ref, h, levels, mids, 8)
     Twin.step(torch.zeros(n), g, twin, h, levels, mids, 8)
     assert torch.equal(st.codes[1:].long(), code[1:]), "ties must go to the lower level"
@@ -320,13 +335,13 @@ def _near(p, st, p_ref, st_ref, p0, bits, lr, what):
     threshold now and then flips and moves its element by a fraction of a step: the states
     within agree's bounds (p checked separately), and all but one parameter in 500 within
     agree's tolerance, those few within one lr."""
-    tol = tb.PARAM_RTOL[p.dtype]
+    tol = checks.PARAM_RTOL[p.dtype]
     scale = torch.maximum(p0.float().abs(), p_ref.float().abs()).clamp_min(1e-3)
     d = (p.float() - p_ref.float()).abs()
     off = d / scale > tol
     assert int(off.sum()) <= max(1, p.numel() // 500), f"{int(off.sum())} parameters off ({what})"
     assert bool((d[off] <= lr).all()), f"a parameter off by {float(d.max()):.3g} ({what})"
-    tb.agree(p_ref.clone(), st, p_ref, st_ref, p0, bits, what)
+    checks.agree(p_ref.clone(), st, p_ref, st_ref, p0, bits, what)
 
 
 @pytest.mark.parametrize("layout", [LAYOUTS[k] for k in (0, 2, 4, 5, 7)], ids=_ids)
@@ -342,7 +357,7 @@ def test_a_free_run(layout):
     for t in range(1, 7):
         g = torch.randn(numel, generator=gen).to(gt)
         h = _hyper(t, lr=1e-2 * (1 - t / 10))
-        tb.step([(p, g, mine, h, levels, mids, bits)])
+        tb.step([SegmentWork(p, g, mine, h, levels, mids, bits)])
         Twin.step(p_twin, g, twin, h, levels, mids, bits)
         _reference(p_ref, g, ref, h, levels, mids, bits)
         assert torch.equal(p, p_twin), f"parameters differ from the twin (step {t})"
@@ -420,7 +435,8 @@ def _sharded_step(impl, ranks, grads, h, books):
             if k in spread and st.v_cross is not None and st.v_cross.numel()
         ]
         if impl == "triton":
-            sums = [v[:2] for v in tb.cross_table([(g, st, h, False) for _, g, st in mine]).views]
+            work = [CrossWork(g, st, h, False) for _, g, st in mine]
+            sums = [(v.sums, v.counts) for v in tb.cross_table(work).views]
         else:
             sums = [cross_sums(g, st.start, st.block_size, st.v_cross.numel()) for _, g, st in mine]
         for (k, _, _), (s, c) in zip(mine, sums, strict=True):
@@ -434,7 +450,7 @@ def _sharded_step(impl, ranks, grads, h, books):
             if k in total
         ]
         if impl == "triton":
-            made = tb.factors([(st, h, *total[r.pieces[i][0]]) for i, st in todo])
+            made = tb.factors([FactorWork(st, h, *total[r.pieces[i][0]]) for i, st in todo])
         elif impl == "twin":
             made = [Twin.factor(st, h, *total[r.pieces[i][0]]) for i, st in todo]
         else:
@@ -443,20 +459,19 @@ def _sharded_step(impl, ranks, grads, h, books):
         work = []
         for i, ((k, _, _), p, g, st) in enumerate(zip(r.pieces, r.p, rg, r.st, strict=True)):
             levels, mids = books[TENSORS[k][2]]
-            item = (p, g, st, h, levels, mids, TENSORS[k][2])
-            work.append(item + (fac[i],) if i in fac else item)
+            work.append(SegmentWork(p, g, st, h, levels, mids, TENSORS[k][2], fac.get(i)))
         if impl == "triton":
-            tb.step(work)
+            tb.step(work)  # factor None: the tensor is held whole, the kernels take its own
             continue
-        for item in work:
-            p, g, st, h_, levels, mids, bits, *f = item
+        for w in work:
+            f = [] if w.factor is None else [w.factor]
             if impl == "twin":
-                Twin.step(p, g, st, h_, levels, mids, bits, *(f or ["own"]))
-            elif st.block_size == 1:
-                dense_update(p, g, st, h_)
+                Twin.step(w.p, w.g, w.seg, w.hyper, w.levels, w.mids, w.bits, *(f or ["own"]))
+            elif w.seg.block_size == 1:
+                dense_update(w.p, w.g, w.seg, w.hyper)
             else:
-                update = column_update if st.block_size < 0 else block_update
-                update(p, g, st, h_, levels, mids, bits, *f)
+                update = column_update if w.seg.block_size < 0 else block_update
+                update(w.p, w.g, w.seg, w.hyper, w.levels, w.mids, w.bits, *f)
 
 
 def _grads(ranks, gen):
@@ -491,7 +506,7 @@ def test_pieces_of_several_tensors_in_one_call(cuts):
                 _equal(r.st[i], rt.st[i], what)
                 _near(r.p[i], r.st[i], rr.p[i], rr.st[i], r0[i], TENSORS[k][2], h.lr, what)
     work = [
-        (p, torch.zeros_like(p), st, _hyper(9), *books[TENSORS[k][2]], TENSORS[k][2], None)
+        SegmentWork(p, torch.zeros_like(p), st, _hyper(9), *books[TENSORS[k][2]], TENSORS[k][2])
         for r in mine
         for (k, _, _), p, st in zip(r.pieces, r.p, r.st, strict=True)
     ]
@@ -533,17 +548,18 @@ def test_cross_table_sums_counts_and_factors(lagged):
     twin = [_copy(st) for _, st, _ in items]
     ref = [_copy(st) for _, st, _ in items]
     dest = [None] * len(items)
-    dest[1] = tuple(torch.zeros(items[1][1].v_cross.numel(), dtype=torch.float64) for _ in "sc")
-    dest[3] = tuple(torch.zeros(items[3][1].v_cross.numel(), dtype=torch.float64) for _ in "sc")
+    for k in (1, 3):
+        n = items[k][1].v_cross.numel()
+        dest[k] = CrossDest(*(torch.zeros(n, dtype=torch.float64) for _ in "sc"))
     v_before = [st.v_cross.clone() for _, st, _ in items]
-    plan = tb.cross_table([(g, st, h, whole) for g, st, whole in items], dest)
+    plan = tb.cross_table([CrossWork(g, st, h, whole) for g, st, whole in items], dest)
     for k, ((g, st, whole), (sums, counts, f)) in enumerate(zip(items, plan.views, strict=True)):
         want_s, want_c = cross_sums(g, st.start, st.block_size, st.v_cross.numel())
         torch.testing.assert_close(sums, want_s, rtol=1e-12, atol=0)
         assert torch.equal(counts, want_c), k
         if dest[k] is not None:
-            assert sums.data_ptr() == dest[k][0].data_ptr()
-            assert counts.data_ptr() == dest[k][1].data_ptr()
+            assert sums.data_ptr() == dest[k].sums.data_ptr()
+            assert counts.data_ptr() == dest[k].counts.data_ptr()
         if not whole:
             assert f is None and torch.equal(st.v_cross, v_before[k]), k
             continue
@@ -568,7 +584,7 @@ def test_factors_from_reduced_sums_and_an_empty_piece():
             st.v_cross.zero_()
         sums = torch.rand(n, dtype=torch.float64, generator=gen) * 10
         counts = torch.randint(0, 5, (n,), generator=gen).double()
-        work.append((st, h, sums, counts))
+        work.append(FactorWork(st, h, sums, counts))
         twins.append(_copy(st))
     made = tb.factors(work)
     for (st, _, sums, counts), twin, f in zip(work, twins, made, strict=True):
@@ -577,7 +593,8 @@ def test_factors_from_reduced_sums_and_an_empty_piece():
     st = _state(64, 0, 97, 4, tensor_numel=40 * 97)
     st.v_cross.copy_(torch.rand(97, generator=gen))
     twin = _copy(st)
-    ((_, _, f),) = tb.cross_table([(torch.zeros(0), st, h, True)]).views
+    (got,) = tb.cross_table([CrossWork(torch.zeros(0), st, h, True)]).views
+    f = got.factor
     assert torch.equal(f, cross_factor(twin, h, torch.zeros(97)))
 
 
@@ -601,7 +618,7 @@ def _run(items, books, steps, gen_seed, first=1):
         work = []
         for p, st, gt, bits in items:
             g = torch.randn(p.numel(), generator=gen).to(gt)
-            work.append((p, g, st, _hyper(t, lr=1e-2 * 0.9**t), *books[bits], bits))
+            work.append(SegmentWork(p, g, st, _hyper(t, lr=1e-2 * 0.9**t), *books[bits], bits))
         tb.step(work)
 
 
@@ -621,7 +638,7 @@ def test_same_inputs_same_bits_and_a_resumed_run_continues_exactly():
             if resume and t == 3:
                 items = [(p.clone(), _copy(st), gt, bits) for p, st, gt, bits in items]
             work = [
-                (p, g, st, _hyper(t, lr=1e-2 * 0.9**t), *books[bits], bits)
+                SegmentWork(p, g, st, _hyper(t, lr=1e-2 * 0.9**t), *books[bits], bits)
                 for (p, st, gt, bits), g in zip(items, gs, strict=True)
             ]
             tb.step(work)
@@ -649,7 +666,9 @@ def test_the_kernels_hash_is_codes_hash_bits(first):
 
 
 def _launches(items, books) -> int:
-    work = [(p, torch.zeros_like(p), st, _hyper(1), *books[b], b, None) for p, st, _, b in items]
+    work = [
+        SegmentWork(p, torch.zeros_like(p), st, _hyper(1), *books[b], b) for p, st, _, b in items
+    ]
     return len(tb.step_plan(work, {}).launches)
 
 
@@ -674,7 +693,7 @@ def test_an_lr_schedule_selects_no_new_variant():
     assert tb.SIGNATURES == seen
     launches.add(_launches(more, books))
     assert len(launches) == 1 and launches.pop() <= 9
-    keys = {(name, tuple(sorted(c.items()))) for name, _, c in tb.variants()}
+    keys = {(name, tuple(sorted(c.items()))) for name, _, c in checks.variants()}
     assert seen <= keys, seen - keys
 
 
@@ -684,15 +703,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from gefen_dist.backends import triton_backend as tb
+from gefen_dist.backends import triton_checks as checks
 
 UNWANTED = r"\b(?:fma\.rn\.f32|div\.full\.f32|div\.approx\S*|sqrt\.approx\S*|\S+\.ftz\S*)"
-out = tb.compile_ptx(90)
+out = checks.compile_ptx(90)
 bad = {k: sorted(set(re.findall(UNWANTED, p))) for k, p in out.items()}
 bad = {k: v for k, v in bad.items() if v}
 assert not bad, bad
 assert all("div.rn.f32" in p for k, p in out.items() if k[0] in ("dense_kernel", "apply_kernel"))
 # with fusion allowed, the same element pass contracts: the check above can see it
-name, sig, const = next(v for v in tb.variants() if v[0] == "apply_kernel")
+name, sig, const = next(v for v in checks.variants() if v[0] == "apply_kernel")
 sig = {**sig, **{c: "constexpr" for c in const}}
 src = ASTSource(fn=tb._kernels().apply_kernel, signature=sig, constexprs=const)
 fused = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": True})

@@ -10,9 +10,9 @@ import torch
 from torch.optim import Optimizer
 
 from . import native_cpu
-from . import segment_table as table
 from .cross import StepFactors
 from .kept_plan import KeptPlan
+from .segment_table import Cross, CrossHyp, Hyp, Meta
 from .work import Origin, StepItem
 
 
@@ -46,17 +46,20 @@ class CpuPlan(KeptPlan):
         if addr is None:
             return False
         per = self.per_parameter(opt)
-        meta, hyp, cols = self.step.meta, self.step.hyp, table.META_COLS
+        meta, hyp = self.step.meta, self.step.hyp
+        cols, hcols = len(Meta), len(Hyp)
+        p_col, g_col, key_col = int(Meta.P), int(Meta.G), int(Meta.STEP_KEY)  # plain ints: hot
         for r, row in enumerate(self.step_rows):
             (pa, ga), (sp, sg), mine = addr[row.param], self.sizes[row.param], per[row.param]
-            meta[r * cols + table.P_COL] = pa + row.offset * sp
-            meta[r * cols + table.G_COL] = ga + row.offset * sg
-            meta[r * cols + table.KEY_COL] = mine.key
-            hyp[r * table.HYP_COLS : (r + 1) * table.HYP_COLS] = mine.hyper
+            meta[r * cols + p_col] = pa + row.offset * sp
+            meta[r * cols + g_col] = ga + row.offset * sg
+            meta[r * cols + key_col] = mine.key
+            hyp[r * hcols : (r + 1) * hcols] = mine.hyper
         cmeta, chyp = self.cross.meta, self.cross.hyp
-        ccols, chc = native_cpu.CrossTable.COLS, native_cpu.CrossTable.HYP_COLS
+        ccols, chc, cg_col = len(Cross), len(CrossHyp), int(Cross.G)
         for r, row in enumerate(self.cross_rows):
-            cmeta[r * ccols] = addr[row.param][1] + row.offset * self.sizes[row.param][1]
+            (_, ga), (_, sg) = addr[row.param], self.sizes[row.param]
+            cmeta[r * ccols + cg_col] = ga + row.offset * sg
             chyp[r * chc : (r + 1) * chc] = per[row.param].cross_hyper
         if len(self.cross):
             self.cross.sums.zero_()

@@ -91,7 +91,7 @@ class KeptPlan:
         # which state dict each parameter has: checked by identity in one pass over the state,
         # not by a lookup per parameter (Tensor.__hash__ runs in Python: 0.3 us each)
         self.keys, self.values = list(opt.state.keys()), list(opt.state.values())
-        # in the tables' parameter dtype column (segment_table.BF16_SR)
+        # in the tables' parameter dtype column (segment_table.DType.BF16_SR)
         self.rounding = [g.get("bf16_stochastic_round", False) for g in opt.param_groups]
         self.counts = array("q", [0] * len(self.params))  # the step counts' addresses
         self.steps = array("f", [0.0] * len(self.params))  # and their values after the step

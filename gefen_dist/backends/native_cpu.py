@@ -36,6 +36,8 @@ from ..method.hyper import Hyper
 from ..method.state import CROSS_FLOOR, SegmentState, cross_length
 from . import segment_table as table
 from .reference import local_factor
+from .segment_table import Meta
+from .work import CrossResult, CrossWork, SegmentWork
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 PACKAGED = _PACKAGE / "_csrc" / "gefen_cpu.cpp"  # a wheel's copy (setup.py)
@@ -103,6 +105,8 @@ def _build() -> ctypes.CDLL:
     dll.gefen_cpu_cross_table.restype = I32
     dll.gefen_cpu_count_steps.argtypes = [P, I32, P]
     dll.gefen_cpu_count_steps.restype = None
+    dll.gefen_cpu_tables.argtypes = []
+    dll.gefen_cpu_tables.restype = ctypes.c_char_p
     return dll
 
 
@@ -134,6 +138,20 @@ def isa() -> str | None:
     return None if lib is None else names.get(lib.gefen_cpu_isa(), "scalar")
 
 
+def tables() -> dict[str, list[str]]:
+    """The column names of each table as the loaded library declares them, in column order
+    (``gefen_cpu_tables``): what ``tests/test_tables.py`` holds to ``segment_table``'s enums."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the C++ CPU kernel did not build: {_error}")
+    out = {}
+    for entry in lib.gefen_cpu_tables().decode().split(";"):
+        if entry:
+            name, columns = entry.split(":")
+            out[name] = [c for c in columns.split(",") if c]
+    return out
+
+
 def supports(p: torch.Tensor, g: torch.Tensor) -> bool:
     return p.device.type == "cpu" and p.dtype in table.DTYPES and g.dtype in table.DTYPES
 
@@ -143,26 +161,37 @@ class StepTable:
     lists: torch.tensor walks one element by element). ``cpu_plan.CpuPlan`` keeps one from step to
     step and rewrites only the addresses, step keys and hyperparameters in it."""
 
-    def __init__(self, work: list[tuple]) -> None:
+    def __init__(self, work: list[SegmentWork]) -> None:
         self.meta, self.hyp = array("q"), array("f")
         self.done = array("B")
         self.keep = []  # the factors: alive while the table is
         self.index: list[int] = []  # the item of ``work`` behind each row
         hrows: dict[int, list[float]] = {}  # the optimizer passes one Hyper per group and step
-        for i, (p, g, st, h, levels, mids, bits, *given) in enumerate(work):
+        for i, w in enumerate(work):
+            st, h = w.seg, w.hyper
             if st.numel == 0:
                 continue
-            f = given[0] if given else None
-            fused = None
-            if f is None and fuses(st, g):
+            f, fused = w.factor, None
+            if f is None and fuses(st, w.g):
                 f = torch.empty_like(st.v_cross)  # the kernel writes it, and folds v_cross
                 fused = st.v_cross
-            elif f is None:
-                f = local_factor(g, st, h)
-            self.done.append(1 if len(given) > 1 and given[1] else 0)
+            elif f is None:  # None where the segment has no v_cross
+                f = local_factor(w.g, st, h)
+            self.done.append(1 if w.v_done else 0)
             self.keep.append(f)
             self.meta.extend(
-                table.row(p, g, st, levels, mids, bits, h.step, f, fused, h.bf16_stochastic_round)
+                table.row(
+                    w.p,
+                    w.g,
+                    st,
+                    w.levels,
+                    w.mids,
+                    w.bits,
+                    h.step,
+                    f,
+                    fused,
+                    h.bf16_stochastic_round,
+                )
             )
             hrow = hrows.get(id(h))
             if hrow is None:
@@ -185,9 +214,11 @@ class StepTable:
             CROSS_FLOOR,
         )
         if rc != 0:
-            bad = self.meta[(-rc - 1) * table.META_COLS : -rc * table.META_COLS].tolist()
+            cols = len(Meta)
+            bad = self.meta[(-rc - 1) * cols : -rc * cols].tolist()
+            named = {c.name: v for c, v in zip(Meta, bad, strict=True)}
             raise RuntimeError(
-                f"gefen_cpu_step refused a segment (dtypes, bits, block or v_cross): {bad}"
+                f"gefen_cpu_step refused a segment (dtypes, bits, block or v_cross): {named}"
             )
 
 
@@ -209,14 +240,18 @@ def fuses(st: SegmentState, g: torch.Tensor) -> bool:
     )
 
 
-def step(work: list[tuple]) -> StepTable:
-    """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor[, v_done]]) in one
-    call: blocks and dense tiles of all segments share the threads. Contiguous CPU tensors.
-    ``factor``: the segment's ``reference.cross_factor`` this step; without it (or None), the
-    kernel's own for a segment that starts its tensor (the factor from v_cross, the sums taken
-    in the update's read of g and folded after: one pass over g fewer), else its
+def step(work: list[SegmentWork]) -> StepTable:
+    """Run every ``SegmentWork`` in one call: blocks and dense tiles of all segments share the
+    threads. Contiguous CPU tensors. Returns the table it ran.
+
+    ``factor`` None where the segment has a v_cross: the kernel computes the factor from the
+    segment's own g. Why here and not by the caller: ``SegmentWork`` gives None only to a
+    segment whose own elements are its whole tensor, whose own sums are then exact, and the
+    kernel can take them in the update's own read of g (``fuses``: the factor from v_cross as
+    the steps before left it, this step's sums folded in after), one pass over g fewer than a
+    factor pass before the update; a piece that does not fill its v_cross gets
     ``local_factor``. ``v_done``: ``cross_sums`` has folded this step's g^2 into the segment's v
-    (contiguous blocks), so the kernel does not. Returns the table it ran."""
+    (contiguous blocks), so the kernel does not."""
     t = StepTable(work)
     t.run()
     return t
@@ -268,47 +303,42 @@ def cross_sums(
 
 
 class CrossTable:
-    """The factor pass's table (rows of ``gefen_cpu_cross_table``) over (g, segment, h, whole)
-    items, as flat arrays, with the buffers its sums, counts and factors land in: like
-    ``StepTable``, kept by ``cpu_plan.CpuPlan`` and rewritten in place from step to step."""
+    """The factor pass's table (``segment_table.Cross`` rows of ``gefen_cpu_cross_table``) over
+    ``CrossWork`` items, as flat arrays, with the buffers its sums, counts and factors land in:
+    like ``StepTable``, kept by ``cpu_plan.CpuPlan`` and rewritten in place from step to step."""
 
-    COLS, HYP_COLS = 11, 4  # csrc's CrossCol; segment_table.cross_hyper_row
-
-    def __init__(
-        self, work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]], fold: bool = True
-    ) -> None:
-        lengths = [st.v_cross.numel() for _, st, _, _ in work]
+    def __init__(self, work: list[CrossWork], fold: bool = True) -> None:
+        lengths = [w.seg.v_cross.numel() for w in work]
         total = sum(lengths)
         self.sums = torch.zeros(2 * total, dtype=torch.float64, device="cpu")  # sums, counts
-        out = torch.empty(sum(n for n, w in zip(lengths, work, strict=True) if w[3]), device="cpu")
+        out = torch.empty(
+            sum(n for n, w in zip(lengths, work, strict=True) if w.whole), device="cpu"
+        )
         sc_at, out_at = self.sums.data_ptr(), out.data_ptr()  # a slice costs a microsecond
         self.meta, self.hyp = array("q"), array("f")
-        self.results: list[tuple[torch.Tensor | None, ...]] = []
-        self.what = [(g.dtype, st.block_size) for g, st, _, _ in work]  # not g: kept for later
+        self.results: list[CrossResult] = []
+        self.what = [(w.g.dtype, w.seg.block_size) for w in work]  # not g: kept for later
         at = fat = 0
-        for (g, st, h, whole), n in zip(work, lengths, strict=True):
+        for w, n in zip(work, lengths, strict=True):
+            st = w.seg
+            v = st.v.data_ptr() if fold and st.block_size > 1 else 0
             self.meta.extend(
-                [
-                    g.data_ptr(),
-                    table.DTYPES[g.dtype],
-                    st.start,
-                    g.numel(),
-                    st.block_size,
-                    n,
-                    st.v.data_ptr() if fold and st.block_size > 1 else 0,
-                    sc_at + 8 * at,
-                    sc_at + 8 * (total + at),
-                    st.v_cross.data_ptr(),
-                    out_at + 4 * fat if whole else 0,
-                ]
+                table.cross_row(
+                    w.g,
+                    st,
+                    sums=sc_at + 8 * at,
+                    counts=sc_at + 8 * (total + at),
+                    out=out_at + 4 * fat if w.whole else 0,
+                    v=v,
+                )
             )
-            self.hyp.extend(table.cross_hyper_row(h))
-            if whole:
-                self.results.append((None, None, out[fat : fat + n]))
+            self.hyp.extend(table.cross_hyper_row(w.hyper))
+            if w.whole:
+                self.results.append(CrossResult(None, None, out[fat : fat + n]))
                 fat += n
             else:
                 sums = self.sums[at : at + n], self.sums[total + at : total + at + n]
-                self.results.append((*sums, None))
+                self.results.append(CrossResult(*sums, None))
             at += n
 
     def __len__(self) -> int:
@@ -330,16 +360,15 @@ class CrossTable:
             )
 
 
-def cross_table(
-    work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]], fold: bool = True
-) -> CrossTable:
-    """``cross_sums`` (folding into v where the blocks are contiguous) of every (g, segment, h,
-    whole) in one call, then ``cross_factor`` of each ``whole`` one (a tensor held whole: its
+def cross_table(work: list[CrossWork], fold: bool = True) -> CrossTable:
+    """``cross_sums`` (folding into v where the blocks are contiguous) of every ``CrossWork`` in
+    one call, then ``cross_factor`` of each ``whole`` one (a tensor held whole: its
     own sums are its tensor's): one call per step instead of two per factored tensor, each of
     which cost more in Python and in starting threads than the demo GPT's pass itself. The
-    table's ``results`` hold per item (None, None, factor) if whole, else (sums, counts, None),
-    for the all-reduce; the same bits as the per-segment calls. ``fold=False`` leaves the block
-    v to the update's own first pass (``benchmarks/factor_cost.py`` times the difference)."""
+    table's ``results`` hold a ``CrossResult`` per item: its factor if whole, else its sums and
+    counts, for the all-reduce; the same bits as the per-segment calls. ``fold=False`` leaves
+    the block v to the update's own first pass (``benchmarks/factor_cost.py`` times the
+    difference)."""
     t = CrossTable(work, fold)
     t.run()
     return t

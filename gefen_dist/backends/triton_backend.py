@@ -3,9 +3,11 @@ under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is first i
 runs the GPU kernels themselves on a machine without a GPU. It replaced a CUDA C++ backend
 (removed: docs/history.md) and kept its API: ``supports``, ``available``,
 ``build_error``, ``step`` (returning the plan it ran) and ``launch_step``, ``cross_table``
-(``cross_plan``, ``launch_cross``), ``factors``, ``histogram``, ``agree``, ``DTYPES``; a plan
+(``cross_plan``, ``launch_cross``), ``factors``, ``histogram``, ``DTYPES``; a plan
 kept from one step to the next can rewrite ``StepPlan.ints`` / ``floats`` at ``rows`` (the
-columns of ``segment_table``) and ``CrossPlan.meta`` / ``hyps`` and launch them again.
+columns of ``segment_table.Meta`` / ``Hyp``) and ``CrossPlan.meta`` / ``hyps`` and launch them
+again. What checks the kernels (``agree``, the compiled ``variants``, ``compile_ptx``) is in
+``triton_checks``.
 
 Why a segment table: a step touches hundreds of tensors, and FSDP/ZeRO hand each rank pieces of
 many tensors in one flat buffer. One row per segment (``segment_table.row``: addresses as
@@ -42,16 +44,16 @@ import itertools
 import os
 from array import array
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ..method.codes import unpack4
-from ..method.hyper import Hyper
 from ..method.segments import num_blocks
 from ..method.state import SegmentState
 from . import segment_table as table
 from .reference import cross_factor, cross_mean
+from .segment_table import Aux, Cross, Hist, HistAmax, Hyp, Meta
+from .work import CrossDest, CrossResult, CrossWork, FactorWork, SegmentWork
 
 DTYPES = table.DTYPES
 TILE = 1024
@@ -67,8 +69,8 @@ CROSS_COLS = (8, 128)  # (tensor rows, elements) of cross_cols_kernel's tile
 FACTOR_TILE = 1024
 LAUNCH = {"enable_fp_fusion": False}
 """Launch options on CUDA (the interpreter ignores them): no multiply-add contraction."""
-META_COLS, HYP_COLS, AUX_COLS = table.META_COLS, table.HYP_COLS, 5
-CROSS_META_COLS = 12
+META_COLS, HYP_COLS, AUX_COLS = len(Meta), len(Hyp), len(Aux)
+CROSS_META_COLS = len(Cross)
 CROSS_ROWS = 32
 """Tensor rows per chunk in the factor's pass over contiguous blocks (at most 256 chunks per
 segment): enough programs to fill the device on a tall tensor."""
@@ -232,25 +234,52 @@ class Launch:
     const: dict[str, int]
 
 
+class PlanRow(NamedTuple):
+    """Where a work item's rows sit in a ``StepPlan``, for a kept plan to rewrite."""
+
+    item: int
+    """The index of the ``SegmentWork`` in the step's work."""
+    meta_at: int
+    """Its ``Meta`` row's first entry in ``ints``."""
+    hyp_at: int
+    """Its ``Hyp`` row's first entry in ``floats``."""
+
+
+class _Entry(NamedTuple):
+    """A segment's rows while ``step_plan`` sorts them into launches."""
+
+    meta: list[int]
+    hyp: list[float]
+    item: int
+    seg: SegmentState
+
+
 @dataclass
 class StepPlan:
     """One step's tables on the host, flat arrays that reach the device in two copies: every
-    row's integers (segment_table.row), the aux rows and the launches' prefixes in ``ints``,
-    the hyperparameter rows in ``floats``. ``rows``: per row, (work item, where it starts in
-    ints, in floats), for a kept plan to rewrite; ``scratch``: blocks of the blocked
-    and column segments (new absmax and denominator per block); ``part``: the column segments'
-    partials (chunks x columns)."""
+    row's integers (``segment_table.row``), the ``Aux`` rows and the launches' prefixes in
+    ``ints``, the hyperparameter rows in ``floats``. ``rows``: a ``PlanRow`` per row;
+    ``scratch``: blocks of the blocked and column segments (new absmax and denominator per
+    block); ``part``: the column segments' partials (chunks x columns)."""
 
     ints: array
     floats: array
     launches: list[Launch]
-    rows: list[tuple[int, int, int]]
+    rows: list[PlanRow]
     factors: list  # this step's cross factors, alive until the launches are queued
     scratch: int = 0
     part: int = 0
 
 
-def _column_chunks(sts: list[SegmentState]) -> list[tuple[int, int, int]]:
+class _ColumnShape(NamedTuple):
+    """How a column segment's reduction is cut (``Aux``'s CHUNKS, PER, NB)."""
+
+    chunks: int
+    per: int
+    columns: int
+
+
+def _column_chunks(sts: list[SegmentState]) -> list[_ColumnShape]:
     """Each column segment's chunks of rows, rows per chunk and columns: min(128, rows /
     COLUMN_ROWS) chunks, scaled down together to keep the partials within COLUMN_PART_BYTES."""
     want = []
@@ -265,20 +294,21 @@ def _column_chunks(sts: list[SegmentState]) -> list[tuple[int, int, int]]:
         if total > COLUMN_PART_BYTES:
             chunks = max(1, chunks * COLUMN_PART_BYTES // total)
         per = _cdiv(rows, chunks)
-        out.append((_cdiv(rows, per), per, nb))
+        out.append(_ColumnShape(_cdiv(rows, per), per, nb))
     return out
 
 
-def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None]) -> StepPlan:
-    """The host side of ``step``: ``made`` holds the factors computed for items without one.
-    Rows: the B = 1 segments, then the blocked ones by width class, then the column ones, so
-    every launch covers a contiguous run of rows."""
-    device = work[0][0].device
-    dense: list[tuple] = []
-    blocked: dict[int, list[tuple]] = {w: [] for w, _ in WIDTHS}
-    columns: list[tuple] = []
+def step_plan(work: list[SegmentWork], made: dict[int, torch.Tensor]) -> StepPlan:
+    """The host side of ``step``: ``made`` holds the factors ``step`` computed for items
+    whose ``factor`` is None. Rows: the B = 1 segments, then the blocked ones by width class,
+    then the column ones, so every launch covers a contiguous run of rows."""
+    device = work[0].p.device
+    dense: list[_Entry] = []
+    blocked: dict[int, list[_Entry]] = {w: [] for w, _ in WIDTHS}
+    columns: list[_Entry] = []
     factors = []
-    for i, (p, g, st, h, levels, mids, bits, *given) in enumerate(work):
+    for i, item in enumerate(work):
+        p, g, st, h, bits = item.p, item.g, item.seg, item.hyper, item.bits
         if st.numel == 0:
             continue
         if p.device != device or g.device != device:
@@ -287,26 +317,29 @@ def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None]) -> StepPl
             raise ValueError(f"segment of {st.numel} elements got p {p.numel()}, g {g.numel()}")
         if not 0 < abs(st.block_size) < 1 << 30 or (st.block_size != 1 and bits not in (4, 8)):
             raise ValueError(f"Gefen's Triton step: block size {st.block_size}, {bits} bits")
-        f = given[0] if given else made.get(i)
+        f = item.factor if item.factor is not None else made.get(i)
         factors.append(f)
-        row = table.row(p, g, st, levels, mids, bits, h.step, f, stochastic=h.bf16_stochastic_round)
-        entry = (row, table.hyper_row(h), i, st)
+        row = table.row(
+            p, g, st, item.levels, item.mids, bits, h.step, f, stochastic=h.bf16_stochastic_round
+        )
+        entry = _Entry(row, table.hyper_row(h), i, st)
         if st.block_size == 1:
             dense.append(entry)
         elif st.block_size < 0:
             columns.append(entry)
         else:
-            blocked[_width(st.block_size)[0]].append(entry)
+            width, _ = _width(st.block_size)
+            blocked[width].append(entry)
     ints: list[int] = []
     floats: list[float] = []
     plan = StepPlan(array("q"), array("f"), [], [], factors)
 
-    def put_rows(entries: list[tuple]) -> tuple[int, int]:
+    def put_rows(entries: list[_Entry]) -> tuple[int, int]:
         at = (len(ints), len(floats))
-        for row, hyp, i, _ in entries:
-            plan.rows.append((i, len(ints), len(floats)))
-            ints.extend(row)
-            floats.extend(hyp)
+        for e in entries:
+            plan.rows.append(PlanRow(e.item, len(ints), len(floats)))
+            ints.extend(e.meta)
+            floats.extend(e.hyp)
         return at
 
     def put_prefix(counts: list[int]) -> int:
@@ -316,7 +349,7 @@ def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None]) -> StepPl
 
     if dense:
         m_at, h_at = put_rows(dense)
-        counts = [_cdiv(st.numel, TILE) for *_, st in dense]
+        counts = [_cdiv(e.seg.numel, TILE) for e in dense]
         plan.launches.append(
             Launch(
                 "dense_kernel",
@@ -338,16 +371,27 @@ def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None]) -> StepPl
     m_at, h_at = put_rows(rest)
     aux_at = len(ints)
     scratch = part = 0
-    shapes = iter(_column_chunks([e[3] for e in columns]))
+    shapes = iter(_column_chunks([e.seg for e in columns]))
     nbs = []
-    for *_, st in rest:
+    chunks_of = []
+    for e in rest:
+        st = e.seg
         if st.block_size > 0:
             nb = num_blocks(st.start, st.numel, st.block_size)
-            ints += [scratch, 0, 0, 0, nb]
+            aux = {Aux.SCR: scratch, Aux.PART: 0, Aux.CHUNKS: 0, Aux.PER: 0, Aux.NB: nb}
         else:
-            chunks, per, nb = next(shapes)
-            ints += [scratch, part, chunks, per, nb]
-            part += chunks * nb
+            shape = next(shapes)
+            nb = shape.columns
+            aux = {
+                Aux.SCR: scratch,
+                Aux.PART: part,
+                Aux.CHUNKS: shape.chunks,
+                Aux.PER: shape.per,
+                Aux.NB: nb,
+            }
+            part += shape.chunks * nb
+            chunks_of.append(shape.chunks)
+        ints += table.as_row(aux, Aux)
         scratch += nb
         nbs.append(nb)
     plan.scratch, plan.part = scratch, part
@@ -371,8 +415,7 @@ def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None]) -> StepPl
         n = len(columns)
         at = (m_at + first * META_COLS, h_at + first * HYP_COLS, aux_at + first * AUX_COLS)
         col_nb = nbs[first:]
-        chunks = [ints[aux_at + (first + k) * AUX_COLS + 2] for k in range(n)]
-        counts = [_cdiv(nb, COL_TILE[1]) * c for nb, c in zip(col_nb, chunks, strict=True)]
+        counts = [_cdiv(nb, COL_TILE[1]) * c for nb, c in zip(col_nb, chunks_of, strict=True)]
         plan.launches.append(
             Launch(
                 "col_reduce_kernel",
@@ -388,7 +431,7 @@ def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None]) -> StepPl
             Launch("col_finish_kernel", n, *at, put_prefix(counts), sum(counts), {"CB": COL_FINISH})
         )
     for kernel, counts in (
-        ("apply_kernel", [_cdiv(st.numel, TILE) for *_, st in rest]),  # a program per tile
+        ("apply_kernel", [_cdiv(e.seg.numel, TILE) for e in rest]),  # a program per tile
         ("commit_kernel", [_cdiv(nb, TILE) for nb in nbs]),  # a program per tile of blocks
     ):
         at_counts = (put_prefix(counts), sum(counts))
@@ -400,25 +443,29 @@ def step_plan(work: list[tuple], made: dict[int, torch.Tensor | None]) -> StepPl
     return plan
 
 
-def step(work: list[tuple]) -> StepPlan | None:
-    """Run every (p, g, segment views, Hyper, levels, mids, bits[, factor]) of one device:
-    at most 9 launches for all segments, their tables in two host-to-device copies
-    (``step_plan``). Flat 1-D contiguous views; the optimizer guarantees it. ``factor``: this
-    step's ``reference.cross_factor`` of the segment's tensor, or None for none; an item
-    without it whose v_cross is non-empty gets its factor from one ``cross_table`` pass over
-    such items (each taken as its whole tensor). Returns the plan it ran."""
+def step(work: list[SegmentWork]) -> StepPlan | None:
+    """Run every ``SegmentWork`` of one device: at most 9 launches for all segments, their
+    tables in two host-to-device copies (``step_plan``). Flat 1-D contiguous views; the
+    optimizer guarantees it. Returns the plan it ran.
+
+    ``factor`` None where the segment has a non-empty v_cross: the factor comes from one
+    ``cross_table`` pass over such items, each taken as its whole tensor, before the update.
+    Why the backend and not the caller: ``SegmentWork`` leaves a factor to the backend only
+    for a segment whose own elements are its whole tensor, so its own g gives the exact
+    factor, and computing it here keeps every such item of a device in that one pass (and
+    this backend usable on its own, as the tests and ``launch/gpu_items.py`` call it)."""
     if not work:
         return None
     if _kernels() is None:
         raise RuntimeError(f"Gefen's Triton kernels are unavailable: {build_error()}")
     own = [
         i
-        for i, (_, g, st, h, *rest) in enumerate(work)
-        if len(rest) == 3 and st.numel and st.v_cross is not None and st.v_cross.numel()
+        for i, w in enumerate(work)
+        if w.factor is None and w.seg.numel and w.seg.v_cross is not None and w.seg.v_cross.numel()
     ]
-    made = cross_table([(work[i][1], work[i][2], work[i][3], True) for i in own]).views
-    plan = step_plan(work, {i: f for i, (*_, f) in zip(own, made, strict=True)})
-    launch_step(plan, work[0][0].device)
+    made = cross_table([CrossWork(work[i].g, work[i].seg, work[i].hyper, True) for i in own])
+    plan = step_plan(work, {i: r.factor for i, r in zip(own, made.views, strict=True)})
+    launch_step(plan, work[0].p.device)
     return plan
 
 
@@ -463,11 +510,11 @@ def _cross_rows(start: int, numel: int, width: int) -> int:
 @dataclass
 class CrossPlan:
     """What ``launch_cross`` gets for one step's factored segments of one device: the table
-    rows (triton_kernels.X_*; contiguous blocks first, then columns; ``order`` maps
-    them to the work items), per-row hyperparameters, each launch's prefix of programs (per
+    rows (``segment_table.Cross``; contiguous blocks first, then columns; ``order`` maps
+    them to the work items), per-row ``CrossHyp`` rows, each launch's prefix of programs (per
     row: cross_rows_kernel's, cross_finish_kernel's, cross_cols_kernel's), the partial sums'
-    length, and per work item the views of the step's buffers its results land in: (sums,
-    counts, factor or None)."""
+    length, and per work item the ``CrossResult`` of views of the step's buffers its results
+    land in (its factor None unless ``whole``)."""
 
     meta: list[list[int]]
     hyps: list[list[float]]
@@ -476,32 +523,30 @@ class CrossPlan:
     pos_prefix: list[int]
     col_prefix: list[int]
     part_n: int
-    views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    views: list[CrossResult]
 
 
-Dest = tuple[torch.Tensor, torch.Tensor] | None
-
-
-def cross_plan(
-    work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]], dest: list[Dest] | None = None
-) -> CrossPlan:
+def cross_plan(work: list[CrossWork], dest: list[CrossDest | None] | None = None) -> CrossPlan:
     """The launch plan of ``cross_table``: plain numbers and pointers. Contiguous rows get
     min(256, rows / CROSS_ROWS) chunks of tensor rows, scaled down together to keep the
-    partial sums within CROSS_PART_BYTES. ``dest``: per item, None or the (sums, counts) it is
+    partial sums within CROSS_PART_BYTES. ``dest``: per item, None or the ``CrossDest`` it is
     to write into (fp64, contiguous, of its v_cross's length, zero where its piece has no
     element: a spread tensor's slot in the all-reduce's buffer, where it is the only piece)."""
-    device = work[0][0].device
+    device = work[0].g.device
     dest = dest or [None] * len(work)
-    lengths = [w[1].v_cross.numel() for w in work]
+    lengths = [w.seg.v_cross.numel() for w in work]
     own = sum(n for n, d in zip(lengths, dest, strict=True) if d is None)
     sums_all = torch.zeros(2 * own, dtype=torch.float64, device=device)
-    fac_all = torch.empty(sum(n for n, w in zip(lengths, work, strict=True) if w[3]), device=device)
-    views, at, f_at = [], 0, 0
-    for n, (_, _, _, whole), d in zip(lengths, work, dest, strict=True):
-        f = fac_all[f_at : f_at + n] if whole else None
-        f_at += n if whole else 0
+    fac_all = torch.empty(
+        sum(n for n, w in zip(lengths, work, strict=True) if w.whole), device=device
+    )
+    views: list[CrossResult] = []
+    at, f_at = 0, 0
+    for n, w, d in zip(lengths, work, dest, strict=True):
+        f = fac_all[f_at : f_at + n] if w.whole else None
+        f_at += n if w.whole else 0
         if d is None:
-            views.append((sums_all[at : at + n], sums_all[at + n : at + 2 * n], f))
+            views.append(CrossResult(sums_all[at : at + n], sums_all[at + n : at + 2 * n], f))
             at += 2 * n
             continue
         if any(
@@ -509,34 +554,43 @@ def cross_plan(
             or x.dtype != torch.float64
             or not x.is_contiguous()
             or x.device != device
-            for x in d
+            for x in (d.sums, d.counts)
         ):
             raise ValueError(f"factor destination must be contiguous fp64 of {n} entries")
-        views.append((*d, f))
-    rows_kind = [i for i, (_, st, _, _) in enumerate(work) if st.block_size > 1 and st.numel]
-    cols_kind = [i for i, (_, st, _, _) in enumerate(work) if st.block_size < 0 and st.numel]
+        views.append(CrossResult(d.sums, d.counts, f))
+    rows_kind = [i for i, w in enumerate(work) if w.seg.block_size > 1 and w.seg.numel]
+    cols_kind = [i for i, w in enumerate(work) if w.seg.block_size < 0 and w.seg.numel]
     chunks = {}
     for i in rows_kind:
-        st = work[i][1]
+        st = work[i].seg
         chunks[i] = max(
             1, min(256, _cdiv(_cross_rows(st.start, st.numel, st.block_size), CROSS_ROWS))
         )
-    part_total = sum(chunks[i] * work[i][1].block_size for i in rows_kind)
+    part_total = sum(chunks[i] * work[i].seg.block_size for i in rows_kind)
     if 8 * part_total > CROSS_PART_BYTES:
         for i in rows_kind:
             chunks[i] = max(1, chunks[i] * CROSS_PART_BYTES // (8 * part_total))
     plan = CrossPlan([], [], rows_kind + cols_kind, [0], [0], [0], 0, views)
     for i in plan.order:
-        g, st, h, _ = work[i]
+        g, st, h = work[i].g, work[i].seg, work[i].hyper
         if g.device != device or st.v_cross.device != device:
             raise ValueError("Gefen's factor pass got tensors on several devices in one call")
         if g.dtype not in DTYPES or g.numel() != st.numel:
             raise ValueError(f"factor pass: g of {g.numel()} {g.dtype} for {st.numel} elements")
-        sums, counts, f = views[i]
+        v = views[i]
         width, c = abs(st.block_size), chunks.get(i, 0)
-        ptrs = [sums.data_ptr(), counts.data_ptr(), st.v_cross.data_ptr()]
-        row = [g.data_ptr(), DTYPES[g.dtype], st.start, st.numel, st.block_size, lengths[i], *ptrs]
-        plan.meta.append(row + [0 if f is None else f.data_ptr(), plan.part_n, c])
+        out = 0 if v.factor is None else v.factor.data_ptr()
+        plan.meta.append(
+            table.cross_row(
+                g,
+                st,
+                sums=v.sums.data_ptr(),
+                counts=v.counts.data_ptr(),
+                out=out,
+                part=plan.part_n,
+                chunks=c,
+            )
+        )
         plan.hyps.append(table.cross_hyper_row(h))
         if st.block_size > 1:
             plan.part_n += c * width
@@ -548,57 +602,55 @@ def cross_plan(
     return plan
 
 
-def cross_table(
-    work: list[tuple[torch.Tensor, SegmentState, Hyper, bool]], dest: list[Dest] | None = None
-) -> CrossPlan:
-    """``reference.cross_sums`` of every (g, segment, h, whole) of one device, and
+def cross_table(work: list[CrossWork], dest: list[CrossDest | None] | None = None) -> CrossPlan:
+    """``reference.cross_sums`` of every ``CrossWork`` of one device, and
     ``reference.cross_factor`` of each ``whole`` one (a tensor held whole; v_cross is folded in
     place), in at most four launches (``launch_cross``). Returns the plan it ran, whose
-    ``views`` hold (sums, counts, factor or None) per item, in order: fp64 sums and counts for
-    the all-reduce of a spread tensor, written into ``dest`` where given (``cross_plan``)."""
+    ``views`` hold a ``CrossResult`` per item, in order: fp64 sums and counts for the
+    all-reduce of a spread tensor, written into ``dest`` where given (``cross_plan``)."""
     if not work:
         return CrossPlan([], [], [], [0], [0], [0], 0, [])
     plan = cross_plan(work, dest)
-    launch_cross(plan, work[0][0].device)
-    for (_, st, h, whole), (sums, counts, f) in zip(work, plan.views, strict=True):
-        if whole and not st.numel:  # nothing launched for it: the reference's factor of zeros
-            f.copy_(cross_factor(st, h, cross_mean(sums, counts)))
+    launch_cross(plan, work[0].g.device)
+    for w, r in zip(work, plan.views, strict=True):
+        if w.whole and not w.seg.numel:  # nothing launched for it: the reference's factor of 0s
+            r.factor.copy_(cross_factor(w.seg, w.hyper, cross_mean(r.sums, r.counts)))
     return plan
 
 
-def factor_plan(work: list[tuple[SegmentState, Hyper, torch.Tensor, torch.Tensor]]) -> CrossPlan:
+def factor_plan(work: list[FactorWork]) -> CrossPlan:
     """``factors``' launch plan: factor rows only (no sums to compute), their sums and counts
     moved to v_cross's device as contiguous fp64 (``views`` keeps them alive until launched)."""
-    device = work[0][0].v_cross.device
-    out = torch.empty(sum(st.v_cross.numel() for st, *_ in work), device=device)
+    device = work[0].seg.v_cross.device
+    out = torch.empty(sum(w.seg.v_cross.numel() for w in work), device=device)
     plan = CrossPlan([], [], [], [0], [0], [0], 0, [])
     at = 0
-    for st, h, sums, counts in work:
+    for w in work:
+        st = w.seg
         n = st.v_cross.numel()
-        if sums.numel() != n or counts.numel() != n:
+        if w.sums.numel() != n or w.counts.numel() != n:
             raise ValueError(
-                f"factor sums/counts have {sums.numel()}/{counts.numel()} entries, v_cross {n}"
+                f"factor sums/counts have {w.sums.numel()}/{w.counts.numel()} entries, v_cross {n}"
             )
-        sums, counts = (x.to(device, torch.float64).contiguous() for x in (sums, counts))
+        sums, counts = (x.to(device, torch.float64).contiguous() for x in (w.sums, w.counts))
         f, at = out[at : at + n], at + n
-        plan.views.append((sums, counts, f))
-        ptrs = [sums.data_ptr(), counts.data_ptr(), st.v_cross.data_ptr(), f.data_ptr()]
-        plan.meta.append([0, 0, st.start, 0, st.block_size, n, *ptrs, 0, 0])
-        plan.hyps.append(table.cross_hyper_row(h))
+        plan.views.append(CrossResult(sums, counts, f))
+        plan.meta.append(
+            table.cross_row(None, st, sums.data_ptr(), counts.data_ptr(), out=f.data_ptr())
+        )
+        plan.hyps.append(table.cross_hyper_row(w.hyper))
     return plan
 
 
-def factors(
-    work: list[tuple[SegmentState, Hyper, torch.Tensor, torch.Tensor]],
-) -> list[torch.Tensor]:
-    """``reference.cross_factor(st, h, cross_mean(sums, counts))`` of every (segment, h, sums,
-    counts) of one device in one launch, v_cross folded in place: the factors of tensors spread
-    over ranks, from their all-reduced sums."""
+def factors(work: list[FactorWork]) -> list[torch.Tensor]:
+    """``reference.cross_factor(st, h, cross_mean(sums, counts))`` of every ``FactorWork`` of one
+    device in one launch, v_cross folded in place: the factors of tensors spread over ranks,
+    from their all-reduced sums."""
     if not work:
         return []
     plan = factor_plan(work)
-    launch_cross(plan, work[0][0].v_cross.device)
-    return [f for *_, f in plan.views]
+    launch_cross(plan, work[0].seg.v_cross.device)
+    return [r.factor for r in plan.views]
 
 
 def launch_cross(plan: CrossPlan, device: torch.device) -> None:
@@ -672,131 +724,18 @@ def histogram(
     if counts.dtype != torch.int64 or not counts.is_contiguous() or counts.device != g.device:
         raise ValueError("histogram counts must be contiguous int64 on g's device")
     g = g.contiguous()
-    ints = _to_device(
-        array(
-            "q",
-            [
-                g.data_ptr(),
-                DTYPES[g.dtype],
-                start,
-                numel,
-                block,
-                nb,
-                counts.numel(),
-                counts.data_ptr(),
-            ],
-        ),
-        torch.int64,
-        g.device,
-    )
-    floats = _to_device(array("f", [head_amax, tail_amax]), torch.float32, g.device)
+    row = {
+        Hist.G: g.data_ptr(),
+        Hist.G_DTYPE: DTYPES[g.dtype],
+        Hist.START: start,
+        Hist.NUMEL: numel,
+        Hist.BLOCK: block,
+        Hist.BLOCKS: nb,
+        Hist.BINS: counts.numel(),
+        Hist.COUNTS: counts.data_ptr(),
+    }
+    ints = _to_device(array("q", table.as_row(row, Hist)), torch.int64, g.device)
+    amax = {HistAmax.HEAD: head_amax, HistAmax.TAIL: tail_amax}
+    floats = _to_device(array("f", table.as_row(amax, HistAmax)), torch.float32, g.device)
     with _on(g.device):
         _launch(k.histogram_kernel, nb, ints, floats, TILE=TILE)
-
-
-# ------------------------------------------------------------------ compiled, without a GPU
-
-
-def variants() -> list[tuple[str, dict[str, str], dict[str, int]]]:
-    """Every (kernel, signature, constexprs) the launchers use: the compiled variants there can
-    be (their keys as in ``SIGNATURES``), whatever the model or the schedule."""
-    i64, f32, f64, n = "*i64", "*fp32", "*fp64", "i32"
-    step = {"ints": i64, "floats": f32, "meta_at": n, "hyp_at": n}
-    rows = {**step, "aux_at": n, "prefix_at": n, "n_rows": n}
-    scr = {"scr_amax": f32, "scr_den": f32}
-    part = {"part_sum": f64, "part_max": f32}
-    cross = {"ints": i64, "meta_at": n, "prefix_at": n, "n_rows": n}
-    out = [("dense_kernel", {**step, "prefix_at": n, "n_rows": n}, {"TILE": TILE})]
-    out += [("block_reduce_kernel", {**rows, **scr}, {"R": r, "W": w}) for w, r in WIDTHS]
-    out += [
-        ("col_reduce_kernel", {**rows, **part}, {"RB": COL_TILE[0], "CB": COL_TILE[1]}),
-        ("col_finish_kernel", {**rows, **part, **scr}, {"CB": COL_FINISH}),
-        ("apply_kernel", {**rows, **scr}, {"TILE": TILE}),
-        (
-            "commit_kernel",
-            {"ints": i64, "meta_at": n, "aux_at": n, "prefix_at": n, "n_rows": n, "scr_amax": f32},
-            {"TILE": TILE},
-        ),
-        ("cross_rows_kernel", {**cross, "part": f64}, {"RB": CROSS_TILE[0], "CB": CROSS_TILE[1]}),
-        ("cross_finish_kernel", {**cross, "part": f64}, {"CB": CROSS_FINISH}),
-        ("cross_cols_kernel", cross, {"GR": CROSS_COLS[0], "CW": CROSS_COLS[1]}),
-        ("cross_factor_kernel", step, {"TILE": FACTOR_TILE}),
-        ("histogram_kernel", {"ints": i64, "floats": f32}, {"TILE": TILE}),
-    ]
-    return out
-
-
-def compile_ptx(arch: int = 90) -> dict[tuple, str]:
-    """Compile every variant (``variants``) for CUDA sm_``arch`` with the launch options, no GPU
-    needed (triton's own ptxas): the PTX per ``SIGNATURES`` key. Not under the interpreter."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    k = _kernels()
-    if k is None or _mode(k) != "compiled":
-        raise RuntimeError("compile_ptx needs triton's compiler, not TRITON_INTERPRET=1")
-    out = {}
-    for name, sig, const in variants():
-        src = ASTSource(
-            fn=getattr(k, name),
-            signature={**sig, **{c: "constexpr" for c in const}},
-            constexprs=const,
-        )
-        done = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(LAUNCH))
-        out[(name, tuple(sorted(const.items())))] = done.asm["ptx"]
-    return out
-
-
-# ------------------------------------------------------------------------------- agreement
-
-STATE_FIELDS = ("codes", "absmax", "v", "v_cross", "exp_avg", "exp_avg_sq")
-PARAM_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-"""How far a kernel's parameters may sit from the reference's after one step, relative to the
-step's operands, by parameter dtype (``agree``)."""
-
-
-def agree(
-    p: torch.Tensor,
-    st: SegmentState,
-    p_ref: torch.Tensor,
-    st_ref: SegmentState,
-    before: torch.Tensor,
-    bits: int,
-    what: str,
-) -> None:
-    """Raise unless one step of the kernel (``p``, ``st``) matches the reference's from the same
-    state (the CUDA backend's, moved here unchanged). The reference runs torch's kernels, which
-    contract multiply-adds (and on this CPU's torch take a square root that is not correctly
-    rounded) where these kernels do neither, so an fp32 result can sit an ulp away, and a code
-    flips where m / absmax lies within that ulp of a midpoint or of its stochastic threshold:
-    rare, but over thousands of elements not negligible. At most one code in 500 may differ,
-    each by one level; a wrong kernel differs in whole blocks, in the bytes blocks share, or
-    everywhere. Everything else within its tolerance, the parameters relative to the step's
-    operands (``before``, the parameter before the step), as where a step nearly cancels p an
-    ulp of the step is far more of the result."""
-    tol = PARAM_RTOL[p.dtype]
-    scale = torch.maximum(before.float().abs(), p_ref.float().abs()).clamp_min(1e-3)
-    err = ((p.float() - p_ref.float()).abs() / scale).max()
-    if not err <= tol:
-        raise RuntimeError(f"parameters differ by {float(err):.3g} ({what})")
-    dense = st.exp_avg is not None and st.exp_avg.numel() > 0
-    if dense:  # bf16 B = 1 state: an fp32 result an ulp apart may carry differently (a bf16 ulp)
-        pairs = [("exp_avg", 1e-2), ("exp_avg_sq", 1e-2)]
-    else:
-        pairs = [("v", 1e-5), ("absmax", 1e-5), ("v_cross", 1e-5)]
-    for k, rtol in pairs:
-        a, b = getattr(st, k).float(), getattr(st_ref, k).float()
-        floor = 1e-6 * b.abs().max() if dense else 1e-30  # m where a lerp cancels
-        if not ((a - b).abs() <= rtol * b.abs() + floor).all():
-            raise RuntimeError(f"{k} differs ({what})")
-    if not dense:
-        mine, ref = st.codes, st_ref.codes
-        if bits == 4:
-            mine, ref = unpack4(mine, st.numel), unpack4(ref, st.numel)
-        d = (mine.long() - ref.long()).abs()
-        flipped = int((d > 0).sum())
-        if flipped > st.numel // 500 or (flipped and int(d.max()) > 1):
-            raise RuntimeError(
-                f"{flipped} of {st.numel} codes differ, by up to {int(d.max())} levels ({what})"
-            )

@@ -6,9 +6,10 @@ Imported only by ``triton_backend._kernels`` (so ``import gefen_dist`` never imp
 ``@triton.jit`` decides at import whether these run compiled or under the interpreter
 (``TRITON_INTERPRET=1``), so that must be set before the first import.
 
-Tables: ``ints`` (int64) holds the rows of ``segment_table.row`` (19 columns, addresses as
-integers that the kernels cast to typed pointers), this module's aux rows and the launches'
-prefixes; ``floats`` (fp32) holds ``segment_table.hyper_row``. A program finds its row by a
+Tables: ``ints`` (int64) holds the ``Meta`` rows of ``segment_table.row`` (addresses as
+integers that the kernels cast to typed pointers), the ``Aux`` rows and the launches'
+prefixes; ``floats`` (fp32) holds the ``Hyp`` rows of ``segment_table.hyper_row``; the factor
+pass's tables are ``Cross`` and ``CrossHyp`` rows. A program finds its row by a
 binary search over its launch's prefix (each row's first program). Only tile shapes are
 constexpr; every integer argument is excluded from specialisation, so a step with other
 hyperparameters, another step key or another layout never compiles anything new.
@@ -27,60 +28,96 @@ import inspect
 import triton
 import triton.language as tl
 
-# segment_table.row's columns
-M_P = tl.constexpr(0)
-M_G = tl.constexpr(1)
-M_CODES = tl.constexpr(2)
-M_ABSMAX = tl.constexpr(3)
-M_V = tl.constexpr(4)
-M_LEVELS = tl.constexpr(5)
-M_MIDS = tl.constexpr(6)
-M_START = tl.constexpr(7)
-M_NUMEL = tl.constexpr(8)
-M_BLOCK = tl.constexpr(9)
-M_BITS = tl.constexpr(10)
-M_PDT = tl.constexpr(11)
-M_GDT = tl.constexpr(12)
-M_EXP_AVG = tl.constexpr(13)
-M_EXP_AVG_SQ = tl.constexpr(14)
-M_NLEVELS = tl.constexpr(15)
-M_KEY = tl.constexpr(16)
-M_FACTOR = tl.constexpr(17)
-META_COLS = tl.constexpr(19)
+from .segment_table import Aux, Cross, CrossHyp, DType, Hist, HistAmax, Hyp, Meta
 
-# segment_table.hyper_row's columns (Hyp)
-H_BETA1 = tl.constexpr(0)
-H_W = tl.constexpr(1)
-H_BETA2 = tl.constexpr(2)
-H_A2 = tl.constexpr(3)
-H_DECAY = tl.constexpr(4)
-H_NEG_STEP = tl.constexpr(5)
-H_BC2 = tl.constexpr(6)
-H_EPS = tl.constexpr(7)
-HYP_COLS = tl.constexpr(8)
+# The tables' columns (and dtype codes) as constexprs, each from its segment_table enum: the
+# kernels index the tables by these names only (tests/test_tables.py holds them to the enums).
 
-# aux rows of the blocked and column segments (triton_backend.step_plan)
-A_SCR = tl.constexpr(0)  # first block's slot in the per-block scratch (new absmax, denominator)
-A_PART = tl.constexpr(1)  # columns: first partial in part_sum / part_max (chunks x columns)
-A_CHUNKS = tl.constexpr(2)  # columns: chunks of rows
-A_PER = tl.constexpr(3)  # columns: rows per chunk
-A_NB = tl.constexpr(4)  # blocks of the segment (columns: min(numel, P))
-AUX_COLS = tl.constexpr(5)
+# Meta: segment_table.row
+M_P = tl.constexpr(int(Meta.P))
+M_G = tl.constexpr(int(Meta.G))
+M_CODES = tl.constexpr(int(Meta.CODES))
+M_ABSMAX = tl.constexpr(int(Meta.ABSMAX))
+M_V = tl.constexpr(int(Meta.V))
+M_LEVELS = tl.constexpr(int(Meta.LEVELS))
+M_MIDS = tl.constexpr(int(Meta.MIDS))
+M_START = tl.constexpr(int(Meta.START))
+M_NUMEL = tl.constexpr(int(Meta.NUMEL))
+M_BLOCK = tl.constexpr(int(Meta.BLOCK))
+M_BITS = tl.constexpr(int(Meta.BITS))
+M_P_DTYPE = tl.constexpr(int(Meta.P_DTYPE))
+M_G_DTYPE = tl.constexpr(int(Meta.G_DTYPE))
+M_EXP_AVG = tl.constexpr(int(Meta.EXP_AVG))
+M_EXP_AVG_SQ = tl.constexpr(int(Meta.EXP_AVG_SQ))
+M_N_LEVELS = tl.constexpr(int(Meta.N_LEVELS))
+M_STEP_KEY = tl.constexpr(int(Meta.STEP_KEY))
+M_FACTOR = tl.constexpr(int(Meta.FACTOR))
+M_V_CROSS = tl.constexpr(int(Meta.V_CROSS))
+M_COLS = tl.constexpr(len(Meta))
 
-# the factor pass's rows (triton_backend.CROSS_META_COLS; the CUDA backend's Cross)
-X_G = tl.constexpr(0)
-X_GDT = tl.constexpr(1)
-X_START = tl.constexpr(2)
-X_NUMEL = tl.constexpr(3)
-X_BLOCK = tl.constexpr(4)
-X_LENGTH = tl.constexpr(5)
-X_SUMS = tl.constexpr(6)
-X_COUNTS = tl.constexpr(7)
-X_VCROSS = tl.constexpr(8)
-X_OUT = tl.constexpr(9)
-X_PART = tl.constexpr(10)
-X_CHUNKS = tl.constexpr(11)
-X_COLS = tl.constexpr(12)
+# Hyp: segment_table.hyper_row
+H_BETA1 = tl.constexpr(int(Hyp.BETA1))
+H_W = tl.constexpr(int(Hyp.W))
+H_BETA2 = tl.constexpr(int(Hyp.BETA2))
+H_A2 = tl.constexpr(int(Hyp.A2))
+H_DECAY = tl.constexpr(int(Hyp.DECAY))
+H_NEG_STEP = tl.constexpr(int(Hyp.NEG_STEP))
+H_BC2 = tl.constexpr(int(Hyp.BC2))
+H_EPS = tl.constexpr(int(Hyp.EPS))
+H_COLS = tl.constexpr(len(Hyp))
+
+# Aux: triton_backend.step_plan
+A_SCR = tl.constexpr(int(Aux.SCR))
+A_PART = tl.constexpr(int(Aux.PART))
+A_CHUNKS = tl.constexpr(int(Aux.CHUNKS))
+A_PER = tl.constexpr(int(Aux.PER))
+A_NB = tl.constexpr(int(Aux.NB))
+A_COLS = tl.constexpr(len(Aux))
+
+# Cross: segment_table.cross_row
+X_G = tl.constexpr(int(Cross.G))
+X_G_DTYPE = tl.constexpr(int(Cross.G_DTYPE))
+X_START = tl.constexpr(int(Cross.START))
+X_NUMEL = tl.constexpr(int(Cross.NUMEL))
+X_BLOCK = tl.constexpr(int(Cross.BLOCK))
+X_LENGTH = tl.constexpr(int(Cross.LENGTH))
+X_V = tl.constexpr(int(Cross.V))
+X_SUMS = tl.constexpr(int(Cross.SUMS))
+X_COUNTS = tl.constexpr(int(Cross.COUNTS))
+X_V_CROSS = tl.constexpr(int(Cross.V_CROSS))
+X_OUT = tl.constexpr(int(Cross.OUT))
+X_PART = tl.constexpr(int(Cross.PART))
+X_CHUNKS = tl.constexpr(int(Cross.CHUNKS))
+X_COLS = tl.constexpr(len(Cross))
+
+# CrossHyp: segment_table.cross_hyper_row
+XH_BETA2 = tl.constexpr(int(CrossHyp.BETA2))
+XH_A2 = tl.constexpr(int(CrossHyp.A2))
+XH_BC2 = tl.constexpr(int(CrossHyp.BC2))
+XH_FLOOR = tl.constexpr(int(CrossHyp.FLOOR))
+XH_COLS = tl.constexpr(len(CrossHyp))
+
+# DType: segment_table.DTYPES
+DT_F32 = tl.constexpr(int(DType.F32))
+DT_BF16 = tl.constexpr(int(DType.BF16))
+DT_F16 = tl.constexpr(int(DType.F16))
+DT_BF16_SR = tl.constexpr(int(DType.BF16_SR))
+
+# Hist: triton_backend.histogram
+HI_G = tl.constexpr(int(Hist.G))
+HI_G_DTYPE = tl.constexpr(int(Hist.G_DTYPE))
+HI_START = tl.constexpr(int(Hist.START))
+HI_NUMEL = tl.constexpr(int(Hist.NUMEL))
+HI_BLOCK = tl.constexpr(int(Hist.BLOCK))
+HI_BLOCKS = tl.constexpr(int(Hist.BLOCKS))
+HI_BINS = tl.constexpr(int(Hist.BINS))
+HI_COUNTS = tl.constexpr(int(Hist.COUNTS))
+HI_COLS = tl.constexpr(len(Hist))
+
+# HistAmax: triton_backend.histogram
+HA_HEAD = tl.constexpr(int(HistAmax.HEAD))
+HA_TAIL = tl.constexpr(int(HistAmax.TAIL))
+HA_COLS = tl.constexpr(len(HistAmax))
 
 
 def _kernel(fn):
@@ -125,13 +162,31 @@ def _find(prefix, n_rows, item):
 
 
 @triton.jit
+def _program(ints, meta_at, prefix_at, n_rows, COLS: tl.constexpr):
+    """Every table kernel's prologue: this program's row s of the launch (a binary search of
+    its prefix of each row's first program), the address of the row's integers (``COLS`` per
+    row, from ``meta_at``), and the program's index among the row's."""
+    pid = tl.program_id(0)
+    s = _find(ints + prefix_at, n_rows, pid)
+    return s, ints + meta_at + s * COLS, pid - tl.load(ints + prefix_at + s)
+
+
+@triton.jit
+def _update_program(ints, floats, meta_at, hyp_at, aux_at, prefix_at, n_rows):
+    """``_program`` of the update's blocked and column kernels: the row's ``Meta``, ``Hyp``
+    and ``Aux`` addresses, and the program's index among the row's."""
+    s, m, local = _program(ints, meta_at, prefix_at, n_rows, M_COLS)
+    return m, floats + hyp_at + s * H_COLS, ints + aux_at + s * A_COLS, local
+
+
+@triton.jit
 def _ld(addr, offs, mask, dt):
-    """fp32 values of a tensor of dtype code ``dt`` (segment_table.DTYPES, or BF16_SR) at
+    """fp32 values of a tensor of dtype code ``dt`` (segment_table.DType) at
     ``addr``."""
-    if (dt == 1) | (dt == 3):
+    if (dt == DT_BF16) | (dt == DT_BF16_SR):
         b = tl.load(addr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
         x = (b.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    elif dt == 2:
+    elif dt == DT_F16:
         x = tl.load(addr.to(tl.pointer_type(tl.float16)) + offs, mask=mask, other=0.0)
         x = x.to(tl.float32)
     else:
@@ -151,9 +206,9 @@ def _bf16_rne(x):
 @triton.jit
 def _st(addr, offs, mask, x, dt):
     """Store fp32 x into a tensor of dtype code ``dt``, rounded to nearest even."""
-    if dt == 1:
+    if dt == DT_BF16:
         tl.store(addr.to(tl.pointer_type(tl.uint16)) + offs, _bf16_rne(x), mask=mask)
-    elif dt == 2:
+    elif dt == DT_F16:
         tl.store(addr.to(tl.pointer_type(tl.float16)) + offs, x.to(tl.float16), mask=mask)
     else:
         tl.store(addr.to(tl.pointer_type(tl.float32)) + offs, x, mask=mask)
@@ -161,10 +216,10 @@ def _st(addr, offs, mask, x, dt):
 
 @triton.jit
 def _st_param(addr, offs, mask, x, dt, index, pkey):
-    """A parameter's write: ``_st``, or for dtype code 3 (segment_table.BF16_SR) bf16 rounded
+    """A parameter's write: ``_st``, or for ``DType.BF16_SR`` bf16 rounded
     stochastically with r = codes.param_bits (``index``: the elements' indices in their tensor,
     int64; ``pkey``: codes.param_key of the step)."""
-    if dt == 3:
+    if dt == DT_BF16_SR:
         r = _hash(index, pkey) & 0xFFFF
         tl.store(addr.to(tl.pointer_type(tl.uint16)) + offs, _bf16_stochastic(x, r), mask=mask)
     else:
@@ -245,16 +300,13 @@ def _code_of(m_addr, offs, mask, four):
 @_kernel
 def dense_kernel(ints, floats, meta_at, hyp_at, prefix_at, n_rows, TILE: tl.constexpr):
     """reference.dense_update: a program per tile of TILE elements of a B = 1 segment."""
-    pid = tl.program_id(0)
-    s = _find(ints + prefix_at, n_rows, pid)
-    m = ints + meta_at + s * META_COLS
-    h = floats + hyp_at + s * HYP_COLS
-    local = pid - tl.load(ints + prefix_at + s)
+    s, m, local = _program(ints, meta_at, prefix_at, n_rows, M_COLS)
+    h = floats + hyp_at + s * H_COLS
     start = tl.load(m + M_START)
     numel = tl.load(m + M_NUMEL)
-    pt = tl.load(m + M_PDT)
-    gt = tl.load(m + M_GDT)
-    key = tl.load(m + M_KEY).to(tl.uint32)
+    pt = tl.load(m + M_P_DTYPE)
+    gt = tl.load(m + M_G_DTYPE)
+    key = tl.load(m + M_STEP_KEY).to(tl.uint32)
     p_addr = tl.load(m + M_P)
     ea = tl.load(m + M_EXP_AVG).to(tl.pointer_type(tl.uint16))
     es = tl.load(m + M_EXP_AVG_SQ).to(tl.pointer_type(tl.uint16))
@@ -313,17 +365,12 @@ def block_reduce_kernel(
     (R, W) tile looping over the block in steps of W: sum g^2 (fp64) and max |m_new|, m_new =
     lerp(levels[code] * absmax, g, 1 - b1); the new v into the state, the new absmax and the
     denominator into the scratch (the old absmax is needed until every code is rewritten)."""
-    pid = tl.program_id(0)
-    s = _find(ints + prefix_at, n_rows, pid)
-    m = ints + meta_at + s * META_COLS
-    h = floats + hyp_at + s * HYP_COLS
-    aux = ints + aux_at + s * AUX_COLS
-    local = pid - tl.load(ints + prefix_at + s)
+    m, h, aux, local = _update_program(ints, floats, meta_at, hyp_at, aux_at, prefix_at, n_rows)
     start = tl.load(m + M_START)
     numel = tl.load(m + M_NUMEL)
     block = tl.load(m + M_BLOCK)
     nb = tl.load(aux + A_NB)
-    gt = tl.load(m + M_GDT)
+    gt = tl.load(m + M_G_DTYPE)
     four = tl.load(m + M_BITS) == 4
     g_addr = tl.load(m + M_G)
     codes = tl.load(m + M_CODES)
@@ -381,17 +428,12 @@ def col_reduce_kernel(
     """Column blocks (B = -P: segment element e in block e mod P), pass 1 of 4: a program per
     CB columns and chunk of rows of the segment's (rows, P) view, (RB, CB) tiles down the
     chunk: partial sums of g^2 (fp64) and maxima of |m_new| per column."""
-    pid = tl.program_id(0)
-    s = _find(ints + prefix_at, n_rows, pid)
-    m = ints + meta_at + s * META_COLS
-    h = floats + hyp_at + s * HYP_COLS
-    aux = ints + aux_at + s * AUX_COLS
-    local = pid - tl.load(ints + prefix_at + s)
+    m, h, aux, local = _update_program(ints, floats, meta_at, hyp_at, aux_at, prefix_at, n_rows)
     numel = tl.load(m + M_NUMEL)
     period = -tl.load(m + M_BLOCK)
     nb = tl.load(aux + A_NB)
     per = tl.load(aux + A_PER)
-    gt = tl.load(m + M_GDT)
+    gt = tl.load(m + M_G_DTYPE)
     four = tl.load(m + M_BITS) == 4
     g_addr = tl.load(m + M_G)
     codes = tl.load(m + M_CODES)
@@ -439,12 +481,7 @@ def col_finish_kernel(
     """Column blocks, pass 2 of 4: a program per CB columns adds their partials in chunk order
     (so the sums do not depend on scheduling); the new v into the state, the new absmax and
     the denominator into the scratch."""
-    pid = tl.program_id(0)
-    s = _find(ints + prefix_at, n_rows, pid)
-    m = ints + meta_at + s * META_COLS
-    h = floats + hyp_at + s * HYP_COLS
-    aux = ints + aux_at + s * AUX_COLS
-    local = pid - tl.load(ints + prefix_at + s)
+    m, h, aux, local = _update_program(ints, floats, meta_at, hyp_at, aux_at, prefix_at, n_rows)
     numel = tl.load(m + M_NUMEL)
     period = -tl.load(m + M_BLOCK)
     nb = tl.load(aux + A_NB)
@@ -510,9 +547,11 @@ def _element(
         fi = ((sr + t) % w).to(tl.int64)
     level = tl.load(levels + code, mask=mask, other=0.0)
     old = tl.load(absmax + j, mask=mask, other=0.0)
-    mi = _lerp(level * old, _ld(tl.load(m + M_G), e, mask, tl.load(m + M_GDT)), tl.load(h + H_W))
+    mi = _lerp(
+        level * old, _ld(tl.load(m + M_G), e, mask, tl.load(m + M_G_DTYPE)), tl.load(h + H_W)
+    )
     p_addr = tl.load(m + M_P)
-    pt = tl.load(m + M_PDT)
+    pt = tl.load(m + M_P_DTYPE)
     pi = _ld(p_addr, e, mask, pt) * tl.load(h + H_DECAY)
     d = tl.load(scr_den + scr + j, mask=mask, other=1.0)
     fac = tl.load(m + M_FACTOR)
@@ -523,7 +562,7 @@ def _element(
     _st_param(p_addr, e, mask, x, pt, start + e, _param_key(key))
     amax = tl.load(scr_amax + scr + j, mask=mask, other=1.0)
     x = tl.math.div_rn(mi, tl.where(amax > 0.0, amax, 1.0))
-    nlev = tl.load(m + M_NLEVELS).to(tl.int32)
+    nlev = tl.load(m + M_N_LEVELS).to(tl.int32)
     if four:
         u = (_hash(start + e, key) >> 8).to(tl.float32) * (1.0 / 16777216.0)
         k = _count(levels + 1, nlev - 2, x, nlev // 2, False)
@@ -553,12 +592,7 @@ def apply_kernel(
     two programs write one byte), even and odd elements side by side: m recomputed with the
     same fp32 operations as the reduction's, the parameter moved, the codes rewritten against
     the new absmax. The pad nibble of an odd-length segment keeps its value."""
-    pid = tl.program_id(0)
-    s = _find(ints + prefix_at, n_rows, pid)
-    m = ints + meta_at + s * META_COLS
-    h = floats + hyp_at + s * HYP_COLS
-    aux = ints + aux_at + s * AUX_COLS
-    local = pid - tl.load(ints + prefix_at + s)
+    m, h, aux, local = _update_program(ints, floats, meta_at, hyp_at, aux_at, prefix_at, n_rows)
     start = tl.load(m + M_START)
     numel = tl.load(m + M_NUMEL)
     block = tl.load(m + M_BLOCK)
@@ -570,7 +604,7 @@ def apply_kernel(
     br = (base % w).to(tl.int32)
     w = w.to(tl.int32)  # |B| < 2^30 (step_plan), so sr + t and br + t fit
     four = tl.load(m + M_BITS) == 4
-    key = tl.load(m + M_KEY).to(tl.uint32)
+    key = tl.load(m + M_STEP_KEY).to(tl.uint32)
     codes = tl.load(m + M_CODES).to(tl.pointer_type(tl.uint8))
     levels = tl.load(m + M_LEVELS).to(tl.pointer_type(tl.float32))
     mids = tl.load(m + M_MIDS).to(tl.pointer_type(tl.float32))
@@ -645,11 +679,8 @@ def apply_kernel(
 def commit_kernel(ints, meta_at, aux_at, prefix_at, n_rows, scr_amax, TILE: tl.constexpr):
     """Blocked and column segments, last pass: the new absmax over the old, once every code
     has been read with the old."""
-    pid = tl.program_id(0)
-    s = _find(ints + prefix_at, n_rows, pid)
-    m = ints + meta_at + s * META_COLS
-    aux = ints + aux_at + s * AUX_COLS
-    local = pid - tl.load(ints + prefix_at + s)
+    s, m, local = _program(ints, meta_at, prefix_at, n_rows, M_COLS)
+    aux = ints + aux_at + s * A_COLS
     j = local * TILE + tl.arange(0, TILE)
     mask = j < tl.load(aux + A_NB)
     amax = tl.load(scr_amax + tl.load(aux + A_SCR) + j, mask=mask, other=0.0)
@@ -664,15 +695,12 @@ def cross_rows_kernel(ints, meta_at, prefix_at, n_rows, part, RB: tl.constexpr, 
     """reference.cross_sums, contiguous blocks of B: position j sums g^2 over the piece's
     elements at j of their tensor rows. A program per CB positions and chunk of the piece's
     tensor rows, (RB, CB) tiles down the chunk, a partial sum per position and chunk."""
-    pid = tl.program_id(0)
-    s = _find(ints + prefix_at, n_rows, pid)
-    m = ints + meta_at + s * X_COLS
-    local = pid - tl.load(ints + prefix_at + s)
+    _, m, local = _program(ints, meta_at, prefix_at, n_rows, X_COLS)
     width = tl.load(m + X_BLOCK)
     start = tl.load(m + X_START)
     numel = tl.load(m + X_NUMEL)
     chunks = tl.load(m + X_CHUNKS)
-    gt = tl.load(m + X_GDT)
+    gt = tl.load(m + X_G_DTYPE)
     g_addr = tl.load(m + X_G)
     tiles = (width + CB - 1) // CB
     chunk = local // tiles
@@ -696,10 +724,7 @@ def cross_rows_kernel(ints, meta_at, prefix_at, n_rows, part, RB: tl.constexpr, 
 def cross_finish_kernel(ints, meta_at, prefix_at, n_rows, part, CB: tl.constexpr):
     """Contiguous blocks: a program per CB positions adds their partials in chunk order; the
     counts are the piece's elements at each position."""
-    pid = tl.program_id(0)
-    s = _find(ints + prefix_at, n_rows, pid)
-    m = ints + meta_at + s * X_COLS
-    local = pid - tl.load(ints + prefix_at + s)
+    _, m, local = _program(ints, meta_at, prefix_at, n_rows, X_COLS)
     width = tl.load(m + X_BLOCK)
     start = tl.load(m + X_START)
     end = start + tl.load(m + X_NUMEL)
@@ -721,14 +746,11 @@ def cross_finish_kernel(ints, meta_at, prefix_at, n_rows, part, CB: tl.constexpr
 def cross_cols_kernel(ints, meta_at, prefix_at, n_rows, GR: tl.constexpr, CW: tl.constexpr):
     """reference.cross_sums, column blocks of P: tensor row r sums g^2 over the piece's
     elements in it. A program per GR tensor rows, (GR, CW) tiles along them."""
-    pid = tl.program_id(0)
-    s = _find(ints + prefix_at, n_rows, pid)
-    m = ints + meta_at + s * X_COLS
-    local = pid - tl.load(ints + prefix_at + s)
+    _, m, local = _program(ints, meta_at, prefix_at, n_rows, X_COLS)
     period = -tl.load(m + X_BLOCK)
     start = tl.load(m + X_START)
     end = start + tl.load(m + X_NUMEL)
-    gt = tl.load(m + X_GDT)
+    gt = tl.load(m + X_G_DTYPE)
     g_addr = tl.load(m + X_G)
     last = (end - 1) // period
     r = start // period + local * GR + tl.arange(0, GR)
@@ -755,8 +777,8 @@ def cross_cols_kernel(ints, meta_at, prefix_at, n_rows, GR: tl.constexpr, CW: tl
 @triton.jit
 def _factor_out(out, v, i, mask, mean, h):
     """sqrt(max(v / mean, floor)) / sqrt(1 - b2^t)"""
-    c = tl.maximum(tl.math.div_rn(v, mean), tl.load(h + 3))
-    tl.store(out + i, tl.math.div_rn(tl.math.sqrt_rn(c), tl.load(h + 2)), mask=mask)
+    c = tl.maximum(tl.math.div_rn(v, mean), tl.load(h + XH_FLOOR))
+    tl.store(out + i, tl.math.div_rn(tl.math.sqrt_rn(c), tl.load(h + XH_BC2)), mask=mask)
 
 
 @_kernel
@@ -764,19 +786,19 @@ def cross_factor_kernel(ints, floats, meta_at, hyp_at, TILE: tl.constexpr):
     """reference.cross_factor of a tensor held whole (rows whose out is set), a program per
     row: the factor from v_cross as the steps before left it (its mean summed in fp64), the
     mean g^2 per entry folded into v_cross, and where v_cross was all zero the factor from
-    the fold. ``hyp`` per row: beta2, 1 - beta2, sqrt(1 - beta2^t), the floor."""
+    the fold. ``floats``: a ``CrossHyp`` row per row."""
     s = tl.program_id(0)
     m = ints + meta_at + s * X_COLS
-    h = floats + hyp_at + s * 4
+    h = floats + hyp_at + s * XH_COLS
     out_addr = tl.load(m + X_OUT)
     if out_addr != 0:
         out = out_addr.to(tl.pointer_type(tl.float32))
-        v = tl.load(m + X_VCROSS).to(tl.pointer_type(tl.float32))
+        v = tl.load(m + X_V_CROSS).to(tl.pointer_type(tl.float32))
         sums = tl.load(m + X_SUMS).to(tl.pointer_type(tl.float64))
         counts = tl.load(m + X_COUNTS).to(tl.pointer_type(tl.float64))
         n = tl.load(m + X_LENGTH)
-        b2 = tl.load(h + 0)
-        a2 = tl.load(h + 1)
+        b2 = tl.load(h + XH_BETA2)
+        a2 = tl.load(h + XH_A2)
         acc = tl.zeros((TILE,), tl.float64)
         for t in range(0, _bound(n), TILE):
             i = t + tl.arange(0, TILE)
@@ -813,16 +835,16 @@ def histogram_kernel(ints, floats, TILE: tl.constexpr):
     """A program per block of one segment: g / absmax(block) (the whole block's absmax from
     ``floats`` for a cut first / last block, where given) binned as codebook.histogram,
     floor((x + 1) * bins / 2) in fp64, into int64 counts by integer atomics (exact, so the
-    order does not matter). ``ints``: g, its dtype, start, numel, block, blocks, bins, counts."""
+    order does not matter). ``ints``: a ``Hist`` row; ``floats``: a ``HistAmax`` row."""
     j = tl.program_id(0)
-    g_addr = tl.load(ints + 0)
-    gt = tl.load(ints + 1)
-    start = tl.load(ints + 2)
-    numel = tl.load(ints + 3)
-    block = tl.load(ints + 4)
-    nb = tl.load(ints + 5)
-    bins = tl.load(ints + 6)
-    counts = tl.load(ints + 7).to(tl.pointer_type(tl.int64))
+    g_addr = tl.load(ints + HI_G)
+    gt = tl.load(ints + HI_G_DTYPE)
+    start = tl.load(ints + HI_START)
+    numel = tl.load(ints + HI_NUMEL)
+    block = tl.load(ints + HI_BLOCK)
+    nb = tl.load(ints + HI_BLOCKS)
+    bins = tl.load(ints + HI_BINS)
+    counts = tl.load(ints + HI_COUNTS).to(tl.pointer_type(tl.int64))
     b0 = start // block
     lo = tl.maximum((b0 + j) * block, start) - start
     hi = tl.minimum((b0 + j + 1) * block, start + numel) - start
@@ -832,8 +854,8 @@ def histogram_kernel(ints, floats, TILE: tl.constexpr):
         amax = tl.maximum(amax, tl.abs(_ld(g_addr, i, i < hi, gt)))
     a = tl.max(amax, axis=0)
     cut = (hi - lo) < block
-    head = tl.load(floats + 0)
-    tail = tl.load(floats + 1)
+    head = tl.load(floats + HA_HEAD)
+    tail = tl.load(floats + HA_TAIL)
     use_head = cut & (j == 0) & (head >= 0.0)
     use_tail = cut & (j == nb - 1) & (tail >= 0.0) & (use_head == 0)
     a = tl.where(use_head, head, tl.where(use_tail, tail, a))
