@@ -27,6 +27,7 @@ from dist_util import read_results, torchrun  # noqa: E402
 from gefen_dist import Gefen  # noqa: E402
 from gefen_dist.backends import native_cpu, triton_backend  # noqa: E402
 from gefen_dist.backends.reference import block_update, column_update, dense_update  # noqa: E402
+from gefen_dist.backends.work import SegmentWork  # noqa: E402
 from gefen_dist.method import codebook, spec  # noqa: E402
 from gefen_dist.method.codes import (  # noqa: E402
     hash_bits,
@@ -55,11 +56,11 @@ def _reference(p, g, st, h, levels, mids, bits):
 
 
 def _native(*work):
-    native_cpu.step([work])
+    native_cpu.step([SegmentWork(*work)])
 
 
 def _triton(*work):
-    triton_backend.step([work])
+    triton_backend.step([SegmentWork(*work)])
 
 
 BACKENDS = {
