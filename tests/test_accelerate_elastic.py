@@ -8,7 +8,8 @@ number; under DeepSpeed (ZeRO-2 from a Gefen JSON) Accelerate and the Trainer ca
 ``engine.load_checkpoint``, which re-cuts the state for the new degree
 (tests/test_zero_elastic.py).
 
-Runs (tests/dist/accel_elastic.py under torchrun; the tiny GPT over the same global batches of
+Runs (tests/dist/accel_elastic.py under torchrun, one launch per number of processes running
+both layouts' jobs in turn; the tiny GPT over the same global batches of
 4 sequences at every number of processes, 30 steps, ``save_state`` after 10), each resume
 compared step by step with the uninterrupted 2-process run. The first resumed loss is the saved
 model's (measured: 0 under DDP, 8.4e-8 relative under DeepSpeed; bound 1e-6); after it only the
@@ -21,6 +22,7 @@ is checked by its step count right after the load.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -44,21 +46,24 @@ RESUMES = [("ddp", 1), ("ddp", 4), ("deepspeed", 1), ("deepspeed", 4)]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """One launch per number of processes, each running both layouts' jobs in turn: the saves
+    on 2, then the resumes on 1 and on 4."""
     extra("accelerate")
+    extra("deepspeed")
     d = tmp_path_factory.mktemp("accel_elastic")
-    saved, resumed = {}, {}
+    jobs: dict[int, list[dict]] = {2: []}
     for layout, env in LAYOUTS.items():
-        if layout == "deepspeed":
-            extra("deepspeed")
-        out, ckpt = d / f"{layout}-save", d / f"{layout}-ckpt"
-        torchrun("accel_elastic.py", "save", str(out), str(ckpt), nproc=2, env=env)
-        saved[layout] = read_results(out, ranks=2)
+        ckpt = str(d / f"{layout}-ckpt")
+        jobs[2].append(dict(env=env, mode="save", out=str(d / f"{layout}-save"), ckpt=ckpt))
         for lay, n in RESUMES:
-            if lay != layout:
-                continue
-            out = d / f"{layout}-to-{n}"
-            torchrun("accel_elastic.py", "resume", str(out), str(ckpt), nproc=n, env=env)
-            resumed[(layout, n)] = read_results(out, ranks=n)
+            if lay == layout:
+                out = str(d / f"{layout}-to-{n}")
+                jobs.setdefault(n, []).append(dict(env=env, mode="resume", out=out, ckpt=ckpt))
+    for n, specs in jobs.items():
+        (d / f"jobs{n}.json").write_text(json.dumps(specs))
+        torchrun("accel_elastic.py", str(d / f"jobs{n}.json"), nproc=n)
+    saved = {layout: read_results(d / f"{layout}-save", ranks=2) for layout in LAYOUTS}
+    resumed = {(lay, n): read_results(d / f"{lay}-to-{n}", ranks=n) for lay, n in RESUMES}
     return saved, resumed
 
 
@@ -103,25 +108,26 @@ HF_IDS = [f"{m}-2-to-{n}" for m, n in HF_RESUMES]
 def trainer_runs(tmp_path_factory):
     """tests/dist/accel_elastic_hf.py: ``optimizers=(Gefen(...), None)`` under DDP ("object")
     and Gefen from a ZeRO-2 JSON ("ds"), 30 steps saved every 10 on 2 processes, resumed from
-    checkpoint-10 on 1 and 4. Measured first resumed step: 0 (1 process), 9.2e-8 relative (4);
+    checkpoint-10 on 1 and 4; one torchrun launch per number of processes runs both modes' jobs
+    in turn. Measured first resumed step: 0 (1 process), 9.2e-8 relative (4);
     largest drift over steps 11-30: DDP 9.2e-8 (1 and 4), ZeRO-2 9.2e-8 (2 -> 1), 1.1e-4
     (2 -> 4); the bounds are those above."""
     extra("transformers")
+    extra("deepspeed")
     d = tmp_path_factory.mktemp("trainer_elastic")
     env = {"HF_HUB_OFFLINE": "1"}
-    saved, resumed = {}, {}
-    for mode in ("object", "ds"):
-        if mode == "ds":
-            extra("deepspeed")
-        out, ckpt = d / f"{mode}-train", d / f"{mode}-ckpt"
-        torchrun("accel_elastic_hf.py", str(out), str(ckpt), mode, "train", nproc=2, env=env)
-        saved[mode] = read_results(out, ranks=2)
+    jobs: dict[int, list[list[str]]] = {2: []}
+    for mode in ("object", "ds"):  # one launch per number of processes, both modes in turn
+        ckpt = str(d / f"{mode}-ckpt")
+        jobs[2].append([str(d / f"{mode}-train"), ckpt, mode, "train"])
         for m, n in HF_RESUMES:
             if m == mode:
-                out = d / f"{mode}-to-{n}"
-                args = (str(out), str(ckpt), mode, "resume")
-                torchrun("accel_elastic_hf.py", *args, nproc=n, env=env)
-                resumed[(mode, n)] = read_results(out, ranks=n)
+                jobs.setdefault(n, []).append([str(d / f"{mode}-to-{n}"), ckpt, mode, "resume"])
+    for n, specs in jobs.items():
+        (d / f"jobs{n}.json").write_text(json.dumps(specs))
+        torchrun("accel_elastic_hf.py", str(d / f"jobs{n}.json"), nproc=n, env=env)
+    saved = {mode: read_results(d / f"{mode}-train", ranks=2) for mode in ("object", "ds")}
+    resumed = {(m, n): read_results(d / f"{m}-to-{n}", ranks=n) for m, n in HF_RESUMES}
     return saved, resumed
 
 

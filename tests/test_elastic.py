@@ -1,6 +1,7 @@
 """Resume at another world size and layout, under FSDP2 and in one process.
 
-Runs (the demo GPT, data parallel over the same global batches at every world size, 50 steps,
+Runs (tests/dist/elastic.py under torchrun, one launch running several jobs in turn; the demo
+GPT, data parallel over the same global batches at every world size, 50 steps,
 a checkpoint at step 20): FSDP2 on 2 and on 4 ranks saving with DCP, consolidated with
 ``python -m gefen_dist.checkpoint consolidate``; one process saving its FQN-keyed state dicts.
 Each is resumed elsewhere (2 -> 1 in one process and under FSDP2, 2 -> 2, 2 -> 4, 4 -> 2, and the
@@ -19,6 +20,7 @@ Bounds: 5e-4 at the same world size, 5e-3 at another (``docs/checkpoints.md`` ha
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -52,30 +54,48 @@ def _consolidate(src, out):
     return r.stdout
 
 
+def _launch(d, name: str, world: int, jobs: list[tuple]) -> None:
+    """One torchrun launch of ``world`` ranks running ``jobs`` in turn (tests/dist/elastic.py)."""
+    spec = d / f"{name}.json"
+    spec.write_text(json.dumps([[str(a) for a in job] for job in jobs]))
+    torchrun("elastic.py", str(spec), nproc=world, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Four launches, each running the jobs its world size has ready: the 2-rank save; at 1
+    rank the plain save and the resumes of the 2-rank checkpoint; at 4 ranks the 4-rank save and
+    the 2-rank checkpoint's resume; at 2 ranks the other resumes."""
     d = tmp_path_factory.mktemp("elastic")
-    saved, files = {}, {}
-    for name, world, layout in (
-        ("fsdp2x2", 2, "fsdp2"),
-        ("fsdp2x4", 4, "fsdp2"),
-        ("plain", 1, "plain"),
-    ):
-        out = d / name
-        args = ("save", str(out), str(STEPS), str(SAVE_AT), str(BITS), layout)
-        torchrun("elastic.py", *args, nproc=world, timeout=600)
-        saved[name] = read_results(out, ranks=world)
-        if layout == "fsdp2":
-            files[name] = d / f"{name}.pt"
-            saved[name + ".cli"] = _consolidate(out / "dcp", files[name])
-        else:
-            files[name] = d / f"{name}.pt"
-    resumed = {}
-    for src, world, layout in RESUMES:
+    saves = {"fsdp2x2": (2, "fsdp2"), "fsdp2x4": (4, "fsdp2"), "plain": (1, "plain")}
+    files = {name: d / f"{name}.pt" for name in saves}
+
+    def save(name):
+        return ("save", d / name, STEPS, SAVE_AT, BITS, saves[name][1])
+
+    def resume(src, world, layout):
         out = d / f"{src}-to-{world}-{layout}"
-        args = ("resume", str(out), str(files[src]), str(SAVE_AT), str(STEPS), str(BITS), layout)
-        torchrun("elastic.py", *args, nproc=world, timeout=600)
-        resumed[(src, world, layout)] = read_results(out, ranks=world)
+        return ("resume", out, files[src], SAVE_AT, STEPS, BITS, layout)
+
+    saved = {}
+
+    def consolidate(name):
+        saved[name + ".cli"] = _consolidate(d / name / "dcp", files[name])
+
+    _launch(d, "w2-save", 2, [save("fsdp2x2")])
+    consolidate("fsdp2x2")
+    by_world: dict[int, list[tuple]] = {1: [save("plain")], 4: [save("fsdp2x4")], 2: []}
+    for src, world, layout in RESUMES:
+        by_world[world].append(resume(src, world, layout))
+    _launch(d, "w1", 1, by_world[1])
+    _launch(d, "w4", 4, by_world[4])
+    consolidate("fsdp2x4")
+    _launch(d, "w2", 2, by_world[2])
+    for name, (world, _) in saves.items():
+        saved[name] = read_results(d / name, ranks=world)
+    resumed = {
+        key: read_results(d / f"{key[0]}-to-{key[1]}-{key[2]}", ranks=key[1]) for key in RESUMES
+    }
     return saved, resumed, files
 
 

@@ -1,9 +1,10 @@
 """Full and sharded state dicts of FSDP2 and FSDP1, saved on 2 ranks, resumed on 1, 2 and 4.
 
-One launch saves (``tests/dist/fsdp_elastic.py``: the demo GPT under FSDP2, FSDP1 with flat and
-with original parameters, 30 steps data parallel over the same global batches, checkpoints at
-step 10), one launch per world size resumes every checkpoint through the frameworks' own
-functions, Gefen built afresh with no configure call: FSDP2 full state dicts
+One torchrun launch saves, then resumes at 2 ranks (``tests/dist/fsdp_elastic.py``: the demo
+GPT under FSDP2, FSDP1 with flat and with original parameters, 30 steps data parallel over the
+same global batches, checkpoints at step 10); one launch per other world size resumes every
+checkpoint through the frameworks' own functions, Gefen built afresh with no configure call:
+FSDP2 full state dicts
 (``get_optimizer_state_dict(full_state_dict=True, cpu_offload=True)`` saved by rank 0, loaded
 with ``set_optimizer_state_dict(full_state_dict=True)``, also ``broadcast_from_rank0=True``, and
 a ``dcp.save`` of full state dicts read back with ``checkpoint.read_dcp``); FSDP1
@@ -61,15 +62,17 @@ RESUMES = [(case, world) for case in CASES for world in WORLDS]
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("fsdp_elastic")
     ck = d / "ck"
-    args = ("save", str(d / "save"), str(ck), str(STEPS), str(SAVE_AT), str(BITS))
-    torchrun("fsdp_elastic.py", *args)
-    saved = read_results(d / "save", ranks=2)
-    resumed = {}
+
+    def resume(world):
+        return ("resume", str(d / f"resume{world}"), str(ck), str(SAVE_AT), str(STEPS), str(BITS))
+
+    save = ("save", str(d / "save"), str(ck), str(STEPS), str(SAVE_AT), str(BITS))
+    torchrun("fsdp_elastic.py", *save, "+", *resume(2), timeout=900)  # the save, then at 2
     for world in WORLDS:
-        out = d / f"resume{world}"
-        args = ("resume", str(out), str(ck), str(SAVE_AT), str(STEPS), str(BITS))
-        torchrun("fsdp_elastic.py", *args, nproc=world, timeout=900)
-        resumed[world] = read_results(out, ranks=world)
+        if world != 2:
+            torchrun("fsdp_elastic.py", *resume(world), nproc=world, timeout=900)
+    saved = read_results(d / "save", ranks=2)
+    resumed = {world: read_results(d / f"resume{world}", ranks=world) for world in WORLDS}
     return saved, resumed, ck
 
 

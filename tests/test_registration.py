@@ -3,6 +3,12 @@
 The training scripts (tests/dist/reg_*.py) hold no Gefen-specific code beyond ``import gefen_dist``
 and, where Accelerate imports DeepSpeed late, ``gefen_dist.register()``. DeepSpeed start-up is
 slow, so one launch covers ZeRO 0-3 and each Accelerate configuration is one launch.
+
+Launchers: the DeepSpeed JSON path (tests/dist/reg_ds.py) runs under the ``deepspeed`` launcher,
+as a user's ``deepspeed train.py`` does; everything else under torchrun, whose environment
+``deepspeed.init_distributed``, Accelerate and the Trainer read as their own launchers': the
+callable-optimizer case is about the import order inside a rank, which each rank starts afresh
+under either launcher.
 """
 
 import subprocess
@@ -259,22 +265,34 @@ def test_accelerate_fsdp_save_load_state(tmp_path, version):
     assert ranks[0]["distributed_type"] == "DistributedType.FSDP"
 
 
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    """tests/dist/reg_hf.py: one launch trains both modes in turn, a second resumes both (a
+    process holds one DeepSpeed Accelerator at a time: the train and the resume of ``ds`` are
+    two launches)."""
+    extra("transformers")
+    extra("deepspeed")
+    d = tmp_path_factory.mktemp("reg_hf")
+    modes = ("ds", "object")
+    for phase in ("train", "resume"):
+        jobs = []
+        for mode in modes:
+            (d / mode / phase).mkdir(parents=True)
+            jobs += [str(d / mode / phase), str(d / mode / "ckpt"), mode]
+        torchrun("reg_hf.py", phase, *jobs, env={"HF_HUB_OFFLINE": "1"})
+    return {
+        mode: {phase: read_results(d / mode / phase, ranks=2) for phase in ("train", "resume")}
+        for mode in modes
+    }
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("mode", ("ds", "object"))
-def test_hf_trainer_trains_saves_resumes(tmp_path, mode):
+def test_hf_trainer_trains_saves_resumes(hf_runs, mode):
     """``--deepspeed`` with a Gefen JSON, and ``optimizers=(Gefen(...), None)`` under DDP: the
     run resumed from checkpoint-3 logs the same losses for steps 4-6 and ends on the same
     weights (a Gefen state lost in the checkpoint would re-initialise and diverge)."""
-    extra("transformers")
-    if mode == "ds":
-        extra("deepspeed")
-    ckpt = str(tmp_path / "ckpt")
-    runs = {}
-    for phase in ("train", "resume"):
-        out = tmp_path / phase
-        out.mkdir()
-        torchrun("reg_hf.py", str(out), ckpt, mode, phase, env={"HF_HUB_OFFLINE": "1"})
-        runs[phase] = read_results(out, ranks=2)
+    runs = hf_runs[mode]
     for r, again in zip(runs["train"], runs["resume"], strict=True):
         assert r["basic"] == "Gefen" and r["world_size"] == 2
         assert r["wrapped"] == ("DeepSpeedEngine" if mode == "ds" else "DistributedDataParallel")
@@ -290,7 +308,7 @@ def test_deepspeed_callable_optimizer_binds_when_gefen_dist_came_first(tmp_path)
     partitions (it had left each flat partition one 1-D tensor, at bf16 moments' 4 bytes an
     element), as when the integration was there before."""
     extra("deepspeed")
-    deepspeed_run("ds_callable.py", str(tmp_path))
+    torchrun("ds_callable.py", str(tmp_path))
     ranks = read_results(tmp_path, ranks=2)
     for r in ranks:
         assert r["installed_before"] is False

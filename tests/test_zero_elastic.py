@@ -3,7 +3,10 @@
 What the user types is what they type at the same layout: ``engine.load_checkpoint(dir)``
 (``gefen_dist.integrations.deepspeed``'s module docstring says how Gefen's state is re-cut).
 
-Runs (tests/dist/zero_elastic.py under the deepspeed launcher; the tiny GPT, data parallel over
+Runs (tests/dist/zero_elastic.py under torchrun: ``deepspeed.initialize`` reads torchrun's
+environment, and the subject here is the checkpoint, not the launcher, which
+tests/test_dist_train.py and tests/test_registration.py run; one launch per world size, running
+that size's jobs in turn; the tiny GPT, data parallel over
 the same global batches of 4 sequences at every degree, 30 steps, a checkpoint after 10, 4-bit
 Gefen): ZeRO-1, ZeRO-2 and ZeRO-3 saved on 2 ranks, resumed at 1 and 4 ranks and across the
 ZeRO-2 / ZeRO-3 boundary, each compared step by step with the uninterrupted run on 2 ranks.
@@ -20,12 +23,13 @@ difference from the uninterrupted run over the 20 resumed steps: ZeRO-2 2 -> 1 7
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from dist_util import deepspeed_run, read_results, resume_drift
+from dist_util import read_results, resume_drift, torchrun
 
 from gefen_dist import Gefen, checkpoint
 from gefen_dist.demo.model import GPT, GPTConfig
@@ -50,24 +54,47 @@ def base(tmp_path_factory):
     return tmp_path_factory.mktemp("zero_elastic")
 
 
+def _launch(base, world: int, jobs: list[list[str]]) -> None:
+    """One torchrun launch of ``world`` ranks running ``jobs`` in turn."""
+    spec = base / f"jobs{world}.json"
+    spec.write_text(json.dumps([[str(a) for a in j] for j in jobs]))
+    torchrun("zero_elastic.py", str(spec), nproc=world)
+
+
+def _resume_dir(base, src, world, stage):
+    return base / f"{src}-to-z{stage}x{world}"
+
+
 @pytest.fixture(scope="module")
-def runs(base):
-    d = base
-    saved = {}
-    for name, stage in SAVES.items():
-        deepspeed_run("zero_elastic.py", "save", str(d / name), str(stage), nproc=2)
-        saved[name] = read_results(d / name, ranks=2)
-    resumed = {}
+def launches(base):
+    """Every launch of the module, one per world size: on 2 ranks the saves, then the resumes
+    of them at 2 ranks and the single-process checkpoint's load (``from_one``); then the
+    resumes at 1 rank and the refusals, then those at 4. Returns the single process's losses
+    (``from_one``'s baseline)."""
+    model, opt = _one_process()
+    losses = _train(model, opt, 0, SAVE_AT)
+    pt = base / "one.pt"
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, pt)
+    losses += _train(model, opt, SAVE_AT, STEPS)
+    by_world: dict[int, list[list]] = {2: [["save", base / n, s] for n, s in SAVES.items()]}
     for src, world, stage in RESUMES:
-        out = d / f"{src}-to-z{stage}x{world}"
-        ckpt = str(d / src / "ckpt")
-        deepspeed_run("zero_elastic.py", "resume", str(out), ckpt, str(stage), nproc=world)
-        resumed[(src, world, stage)] = read_results(out, ranks=world)
-    refusals = d / "refused"
-    deepspeed_run(
-        "zero_elastic.py", "refuse", str(refusals), str(d / "z2x2" / "ckpt"), "2", nproc=1
-    )
-    (refused,) = read_results(refusals, ranks=1)
+        job = ["resume", _resume_dir(base, src, world, stage), base / src / "ckpt", stage]
+        by_world.setdefault(world, []).append(job)
+    by_world[2].append(["from_one", base / "from_one", pt])
+    by_world[1].append(["refuse", base / "refused", base / "z2x2" / "ckpt", 2])
+    for world in (2, 1, 4):
+        _launch(base, world, by_world[world])
+    return losses
+
+
+@pytest.fixture(scope="module")
+def runs(base, launches):
+    saved = {name: read_results(base / name, ranks=2) for name in SAVES}
+    resumed = {
+        (src, world, stage): read_results(_resume_dir(base, src, world, stage), ranks=world)
+        for src, world, stage in RESUMES
+    }
+    (refused,) = read_results(base / "refused", ranks=1)
     return saved, resumed, refused
 
 
@@ -218,18 +245,11 @@ def test_the_command_line_consolidates_a_zero_checkpoint_for_one_process(runs, b
 
 
 @pytest.fixture(scope="module")
-def from_one(base):
+def from_one(base, launches):
     """One process trains STEPS steps, saving ``{"model": ..., "optim": opt.state_dict()}``
-    with ``torch.save`` after SAVE_AT; a 2-rank launch loads that file into ZeRO-1, ZeRO-2 and
-    ZeRO-3 engines in turn and resumes each."""
-    model, opt = _one_process()
-    losses = _train(model, opt, 0, SAVE_AT)
-    pt = base / "one.pt"
-    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, pt)
-    losses += _train(model, opt, SAVE_AT, STEPS)
-    out = base / "from_one"
-    deepspeed_run("zero_elastic.py", "from_one", str(out), str(pt), nproc=2)
-    return losses, read_results(out, ranks=2)
+    with ``torch.save`` after SAVE_AT; the 2-rank launch loads that file into ZeRO-1, ZeRO-2
+    and ZeRO-3 engines in turn and resumes each (``launches``)."""
+    return launches, read_results(base / "from_one", ranks=2)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

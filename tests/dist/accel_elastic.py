@@ -13,30 +13,40 @@ builds Gefen from the JSON):
   then steps SAVE_AT .. STEPS.
 
 Each process writes OUT/rank{r}.json: its losses (the mean over processes, each step).
+
+One launch runs a list of jobs in turn: ``accel_elastic.py JOBS``, JOBS a JSON file of
+``{"env": {...}, "mode": ..., "out": ..., "ckpt": ...}`` objects, ``env`` the job's Accelerate
+variables (above). Between jobs Accelerate's process-wide state is reset (what a new process
+would start from; the process group stays) and the job's model, optimizer and engine are freed:
+every launch pays seconds of start-up, a job a fraction of that.
 """
 
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, DummyOptim, InitProcessGroupKwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 import gefen_dist
 from gefen_dist import Gefen
 from gefen_dist.demo.model import GPT, GPTConfig
+from teardown import finish
 
 torch.set_num_threads(1)
 TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=64)
 STEPS, SAVE_AT, GLOBAL_BATCH = 30, 10, 4
 
 
-def main() -> None:
-    mode, out_dir, ckpt = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    gefen_dist.register()
+LAYOUT_VARS = ("ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE")
+
+
+def job(mode: str, out_dir: Path, ckpt: str) -> Accelerator:
     # Without a GPU, Accelerate's DeepSpeed path needs gloo named (tests/dist/reg_accel.py).
     cpu = not torch.cuda.is_available()
     acc = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu else [])
@@ -82,10 +92,25 @@ def main() -> None:
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{acc.process_index}.json").write_text(json.dumps(out))
-    acc.wait_for_everyone()
-    acc.end_training()
+    return acc
+
+
+def main() -> None:
+    gefen_dist.register()
+    # One process group for all the jobs, ended by ``finish``: Accelerate and DeepSpeed take the
+    # one they find. A group destroyed (``end_training``) and made again between jobs hung a
+    # 4-process launch.
+    for spec in json.loads(Path(sys.argv[1]).read_text()):
+        for var in LAYOUT_VARS:
+            os.environ.pop(var, None)
+        os.environ.update(spec["env"])
+        AcceleratorState._reset_state(reset_partial_state=True)
+        acc = job(spec["mode"], Path(spec["out"]), spec["ckpt"])
+        acc.wait_for_everyone()
+        acc.free_memory()  # the prepared model, optimizer and engine, while the group is up
+        gc.collect()
 
 
 if __name__ == "__main__":
     main()
-    gc.collect()
+    finish()

@@ -1,22 +1,28 @@
 """The Hugging Face Trainer's ``resume_from_checkpoint`` at another number of processes.
 
-Run by tests/test_accelerate_elastic.py under torchrun: ``accel_elastic_hf.py OUT CKPT ds|object
-train|resume``. ``ds``: ``deepspeed=configs/ds_zero2_auto_cpu.json`` (Gefen from the JSON);
-``object``: ``optimizers=(Gefen(...), None)`` under DDP. A tiny GPT-2 built from a config (no
-download), STEPS steps over the same global batches of 4 sequences at any number of processes
+Run by tests/test_accelerate_elastic.py under torchrun: ``accel_elastic_hf.py JOBS``, JOBS a
+JSON file of ``[OUT, CKPT, ds|object, train|resume]`` lists run in turn, Accelerate's
+process-wide state reset before each (what a new process would start from; the process group
+stays; one launch's start-up for several jobs). ``ds``:
+``deepspeed=configs/ds_zero2_auto_cpu.json`` (Gefen from the JSON); ``object``:
+``optimizers=(Gefen(...), None)`` under DDP. A tiny GPT-2 built from a config (no download),
+STEPS steps over the same global batches of 4 sequences at any number of processes
 (a sequential sampler and a per-device batch of 4 / processes: Accelerate's sharding hands
 process r its slice of each global batch), a checkpoint every SAVE_AT steps; ``resume``
 continues from checkpoint-SAVE_AT. Writes OUT/rank{r}.json with the logged per-step losses
 (the Trainer's mean over processes) and Gefen's step count at the end.
 """
 
+import gc
 import json
 import os
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import PartialState
+from accelerate.state import AcceleratorState
 from torch.utils.data import SequentialSampler
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -87,9 +93,9 @@ def run(ckpt: Path, mode: str, resume: bool, world: int) -> tuple[dict, dict]:
     return losses, info
 
 
-def main() -> None:
-    out_dir, ckpt, mode, phase = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-    gefen_dist.register()
+def job(out_dir: Path, ckpt: Path, mode: str, phase: str) -> None:
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    AcceleratorState._reset_state(reset_partial_state=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if mode == "ds":
         # The Trainer's DeepSpeed set-up on CPU needs the state on gloo first (reg_hf.py).
@@ -99,6 +105,15 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **info, "losses": losses}))
+
+
+def main() -> None:
+    gefen_dist.register()
+    for out_dir, ckpt, mode, phase in json.loads(Path(sys.argv[1]).read_text()):
+        job(Path(out_dir), Path(ckpt), mode, phase)
+        gc.collect()  # the job's Trainer, model and engine, before the next job builds its own
+        if dist.is_initialized():
+            dist.barrier()
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 gefen_dist imported before deepspeed and no ``register()``: the integration is then first
 imported by Gefen's constructor, inside DeepSpeed's ``_configure_optimizer``, and must still bind
 Gefen to its ZeRO-1 partitions. The same engine is then built again with the integration already
-installed; both must give the same blocks, state and losses. ``ds_callable.py OUT`` writes
-OUT/rank{r}.json.
+installed; both must give the same blocks, state and losses. ``ds_callable.py OUT`` (under
+torchrun, from tests/test_registration.py) writes OUT/rank{r}.json.
 """
 
 import json

@@ -1,5 +1,9 @@
 """Elastic resume under FSDP2: train, save with DCP at one world size, resume at another.
 
+One launch runs a list of jobs in turn: ``elastic.py JOBS``, JOBS a JSON file of ``[MODE, OUT,
+ARGS...]`` lists (the modes below), each job's model and optimizer built afresh and freed before
+the next (every launch pays seconds of start-up, a job a fraction of that).
+
 ``save OUT STEPS SAVE_AT BITS LAYOUT``: the demo GPT under FSDP2 on this world (LAYOUT
 ``fsdp2``), or in one process without FSDP (``plain``), data parallel over the same global
 batches at any world size (``fsdp_common.batch``); at step SAVE_AT a checkpoint (FSDP2:
@@ -14,7 +18,10 @@ steps SAVE_AT .. STEPS.
 
 from __future__ import annotations
 
+import gc
+import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -63,13 +70,17 @@ def resume(out: str, consolidated: str, save_at: int, steps: int, bits: int, lay
 
 def main() -> None:
     init()
-    mode, out, *rest = sys.argv[1:]
-    if mode == "save":
-        steps, save_at, bits, layout = rest
-        save(out, int(steps), int(save_at), int(bits), layout)
-    else:
-        consolidated, save_at, steps, bits, layout = rest
-        resume(out, consolidated, int(save_at), int(steps), int(bits), layout)
+    for mode, out, *rest in json.loads(Path(sys.argv[1]).read_text()):
+        if mode == "save":
+            steps, save_at, bits, layout = rest
+            save(out, int(steps), int(save_at), int(bits), layout)
+        elif mode == "resume":
+            consolidated, save_at, steps, bits, layout = rest
+            resume(out, consolidated, int(save_at), int(steps), int(bits), layout)
+        else:
+            raise ValueError(f"job mode: save or resume, got {mode!r}")
+        gc.collect()  # the job's model and optimizer, before the next job builds its own
+        dist.barrier()  # a later job may read what this one saved
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ input, whose errors are kept by case: another model, and a checkpoint lacking a 
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -195,14 +196,26 @@ def resume(out: str, ck: Path, save_at: int, steps: int, bits: int) -> None:
 
 
 def main() -> None:
+    """Runs each job of the command line in turn: ``save ...``, ``resume ...``, or both
+    joined by ``+`` (the save, then its resume at this world size: one launch's start-up, not
+    two); the job's models are freed before the next."""
     init()
-    mode, out, ck, *rest = sys.argv[1:]
-    if mode == "save":
-        steps, save_at, bits = map(int, rest)
-        save(out, Path(ck), steps, save_at, bits)
-    else:
-        save_at, steps, bits = map(int, rest)
-        resume(out, Path(ck), save_at, steps, bits)
+    argv = sys.argv[1:]
+    while argv:
+        job, argv = (
+            (argv[: argv.index("+")], argv[argv.index("+") + 1 :]) if "+" in argv else (argv, [])
+        )
+        mode, out, ck, *rest = job
+        if mode == "save":
+            steps, save_at, bits = map(int, rest)
+            save(out, Path(ck), steps, save_at, bits)
+        elif mode == "resume":
+            save_at, steps, bits = map(int, rest)
+            resume(out, Path(ck), save_at, steps, bits)
+        else:
+            raise ValueError(f"job mode: save or resume, got {mode!r}")
+        gc.collect()
+        dist.barrier()  # the resume reads what the save wrote
 
 
 if __name__ == "__main__":

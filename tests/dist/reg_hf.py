@@ -1,13 +1,17 @@
 """Gefen under the Hugging Face Trainer on 2 CPU ranks: from a DeepSpeed JSON, or as an object.
 
-Run by tests/test_registration.py under torchrun: ``reg_hf.py OUT CKPT ds|object train|resume``. ``ds`` passes
-``deepspeed=configs/ds_zero2_auto_cpu.json`` (the optimizer is the JSON's Gefen; the Trainer fills
-its "auto" values); ``object`` passes ``optimizers=(Gefen(...), None)`` under DDP. A tiny GPT-2 is
-built from a config (no download). Trains 6 steps saving at 3, then a second Trainer resumes from
+Run by tests/test_registration.py under torchrun: ``reg_hf.py PHASE OUT CKPT MODE [OUT CKPT
+MODE ...]``, PHASE ``train`` or ``resume``, each (OUT, CKPT, MODE) a job run in turn, MODE ``ds``
+or ``object``, Accelerate's process-wide state reset before each (what a new process would start
+from; the process group stays). ``ds`` passes ``deepspeed=configs/ds_zero2_auto_cpu.json``
+(the optimizer is the JSON's Gefen; the Trainer fills its "auto" values); ``object`` passes
+``optimizers=(Gefen(...), None)`` under DDP. A tiny GPT-2 is built from a config (no download).
+Trains 6 steps saving at 3, then a second Trainer resumes from
 checkpoint-3 in a second launch (Accelerate allows one DeepSpeed Accelerator per process): its
 losses and final weights must equal the first run's. Writes OUT/rank{r}.json.
 """
 
+import gc
 import hashlib
 import json
 import os
@@ -15,7 +19,9 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import PartialState
+from accelerate.state import AcceleratorState
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import gefen_dist
@@ -85,9 +91,9 @@ def run(out_dir, ckpt, mode, resume):
     return losses, weights, info
 
 
-def main():
-    out_dir, ckpt, mode, phase = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-    gefen_dist.register()
+def job(out_dir: Path, ckpt: Path, mode: str, phase: str) -> None:
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    AcceleratorState._reset_state(reset_partial_state=True)
     if mode == "ds":
         # Without a GPU, the Trainer's DeepSpeed set-up passes Accelerate no backend and every rank
         # becomes rank 0 of 1 (an unsharded DataLoader): configure the state on gloo first.
@@ -97,6 +103,16 @@ def main():
     rank = int(os.environ["RANK"])
     out = {"rank": rank, **info, "losses": losses, "weights": weights}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def main():
+    phase, *jobs = sys.argv[1:]
+    gefen_dist.register()
+    for i in range(0, len(jobs), 3):
+        out_dir, ckpt, mode = jobs[i : i + 3]
+        job(Path(out_dir), Path(ckpt), mode, phase)
+        gc.collect()  # the job's Trainer, model and engine, before the next job builds its own
+        dist.barrier()
 
 
 if __name__ == "__main__":

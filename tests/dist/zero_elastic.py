@@ -1,6 +1,10 @@
 """Resume a DeepSpeed ZeRO checkpoint at another data-parallel degree or ZeRO stage.
 
-Run by tests/test_zero_elastic.py under the deepspeed launcher:
+Run by tests/test_zero_elastic.py under torchrun (``deepspeed.initialize`` reads torchrun's
+environment; the launcher is not what these runs test). One launch runs a list of jobs in turn,
+``JOBS`` a JSON file of ``[MODE, OUT, ARGS...]`` lists, each job's engines built afresh and freed
+before the next: every launch pays several seconds of start-up, the jobs a fraction of that.
+The modes:
 
 - ``save OUT STAGE``: the tiny GPT under ZeRO stage STAGE on this world, data parallel over the
   same global batches at every world size (4 sequences a step, 4 / world per rank), a checkpoint
@@ -16,7 +20,7 @@ Run by tests/test_zero_elastic.py under the deepspeed launcher:
   deleted, a file cut short, an entry cut short), each into a fresh engine whose weights must
   be untouched by the refused load.
 
-Each rank writes OUT/rank{r}.json.
+Each rank writes each job's OUT/rank{r}.json.
 """
 
 import gc
@@ -177,21 +181,32 @@ def refuse(out: Path, ckpt: str, stage: int) -> dict:
     return res
 
 
-def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    mode, out = args[0], Path(args[1])
-    deepspeed.init_distributed(dist_backend="gloo")
+def job(mode: str, out: Path, args: list[str]) -> dict:
     res = {"rank": dist.get_rank(), "world": dist.get_world_size()}
     if mode == "save":
-        res.update(save(out, int(args[2])))
+        res.update(save(out, int(args[0])))
     elif mode == "resume":
-        res.update(resume(args[2], int(args[3])))
+        res.update(resume(args[0], int(args[1])))
     elif mode == "from_one":
-        res.update(from_one(args[2]))
+        res.update(from_one(args[0]))
+    elif mode == "refuse":
+        res.update(refuse(out, args[0], int(args[1])))
     else:
-        res.update(refuse(out, args[2], int(args[3])))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
+        raise ValueError(f"job mode: one of save, resume, from_one, refuse, got {mode!r}")
+    return res
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    jobs = json.loads(Path(args[0]).read_text())
+    deepspeed.init_distributed(dist_backend="gloo")
+    for mode, out, *rest in jobs:
+        out = Path(out)
+        res = job(mode, out, rest)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
+        gc.collect()  # the job's engines, before the next job builds its own
+        dist.barrier()  # a later job may read what this one saved
 
 
 if __name__ == "__main__":
