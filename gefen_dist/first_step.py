@@ -224,7 +224,7 @@ def bin_segment(
             r1 = min(r0 + rows, run.count)
             a = run.elem + r0 * run.length
             x = g[a : a + (r1 - r0) * run.length].float().view(r1 - r0, run.length)
-            amax = x.abs().amax(dim=1, keepdim=True)
+            amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)  # max |x|
             if whole is not None:
                 amax.fill_(whole)
             _bin_scaled(x, amax, acc)
@@ -236,9 +236,13 @@ def _bin_scaled(x: torch.Tensor, amax: torch.Tensor, acc: torch.Tensor) -> None:
     the elements whose amax is 0 go to the extra bin."""
     bins = cb.DEFAULT_BINS
     keep = amax > 0
+    # (y + 1) * bins / 2, floored and clamped to [0, bins - 1] as cb.histogram does; amax's
+    # shape (a row's or a column's) carries the all-zero blocks off to bin ``bins``: +5, not +1,
+    # and a limit of ``bins``. Truncation floors here: the values are clamped at 0 first.
     y = (x / torch.where(keep, amax, torch.ones_like(amax))).to(torch.float64)
-    idx = torch.floor((y + 1.0) * (bins / 2.0)).clamp_(0, bins - 1).to(torch.int64)
-    idx = torch.where(keep, idx, bins).reshape(-1)
+    y.add_(torch.where(keep, 1.0, 5.0)).mul_(bins / 2.0)
+    y.clamp_(min=y.new_zeros(()), max=torch.where(keep, float(bins - 1), float(bins)).to(y.dtype))
+    idx = y.to(torch.int64).reshape(-1)
     acc.index_add_(0, idx, torch.ones((), dtype=acc.dtype, device=acc.device).expand(idx.numel()))
 
 

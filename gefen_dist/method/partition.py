@@ -280,12 +280,13 @@ def _device_sums(flat: torch.Tensor, req: StatsRequest) -> _Sums:
     t0 = start
     while t0 < end:
         t1 = min((t0 // step + 1) * step, end)
-        x = flat[t0 - start : t1 - start].double().square()  # not in place: a float64 grad is x
-        s1.append(x.sum())
+        # a copy squared in place: a float64 gradient's .double() would be the gradient itself
+        x = flat[t0 - start : t1 - start].to(torch.float64, copy=True).square_()
         s2.append(torch.dot(x, x))
         if cols is not None:
             _add_columns(cols, x, t0, period)
         runs = _group_sums(x, t0, base) if base > 1 else x
+        s1.append(runs.sum())
         sums: list[torch.Tensor] = []
         for i, p in enumerate(cands):
             d = cands[parent[i]] if parent[i] >= 0 else base
@@ -321,8 +322,13 @@ def _group_sums(x: torch.Tensor, first: int, ratio: int) -> torch.Tensor:
         return x
     front = first % ratio
     back = -(front + x.numel()) % ratio
-    if front or back:
+    if front or back:  # only at a segment's ends
         x = torch.nn.functional.pad(x, (front, back))
+    if ratio <= 4:  # a sum over a short inner dim is slow on a CPU; strided adds are not
+        out = x[0::ratio] + x[1::ratio]
+        for k in range(2, ratio):
+            out += x[k::ratio]
+        return out
     return x.view(-1, ratio).sum(dim=1)
 
 
