@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -243,17 +244,19 @@ def main() -> None:
         revision=_revision(),
         cpu=store.cpu_model(),
         cores=args.threads,
-        machine_cores=len(__import__("os").sched_getaffinity(0)),
+        machine_cores=len(os.sched_getaffinity(0)),
         torch=torch.__version__,
         python=platform.python_version(),
+        load_average=os.getloadavg()[0],  # a shared machine's other work slows both figures
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "first_step_cost.json").write_text(json.dumps(dict(meta=meta, **r), indent=1))
     lines = [
         "# Gefen's first step against its ordinary steps (CPU)",
         "",
-        f"`{meta['command']}` at {meta['revision']}; {meta['cpu']}, {args.threads} threads, "
-        f"torch {meta['torch']}.",
+        f"`{meta['command']}` at {meta['revision']}; {meta['cpu']} ({meta['machine_cores']} "
+        f"cores, load average {meta['load_average']:.1f} at the start), torch threads: "
+        f"{args.threads}, torch {meta['torch']}.",
         "",
         f"{r['numel'] / 1e6:.1f}M parameters in {r['tensors']} fp32 tensors, {args.bits} bits.",
         "",
@@ -265,6 +268,10 @@ def main() -> None:
         "",
         f"The codebook solver's one-time load in a process (numba), not in the figures above: "
         f"{r['solver_load_s']:.2f} s.",
+        "",
+        "Tensor.numpy and Tensor.tolist are counted wherever they are called, also on arrays "
+        "already on the host (the column sums the rule reads, the codebook's counts): an upper "
+        "bound of the reads a device would wait for.",
         "",
         "Syncs by kind: " + (", ".join(f"{k} {v}" for k, v in r["sync_kinds"].items()) or "none"),
         "",
