@@ -219,7 +219,8 @@ def stats_of(requests: list[StatsRequest]) -> list[TensorStats]:
         pending.append((len(out), _device_sums(flat, req)))
         out.append(None)
     if pending:
-        host = torch.cat([s.vector for _, s in pending]).cpu()
+        dev = pending[0][1].vector.device  # one read even where pieces lie on several devices
+        host = torch.cat([s.vector.to(dev) for _, s in pending]).cpu()
         values = host.tolist()
         at = 0
         for i, sums in pending:
