@@ -4,64 +4,105 @@ Why apart from the step: it runs once per parameter, reads the whole first gradi
 times (statistics per candidate block size, the histogram of g0 / absmax), and is the one place
 the ranks must agree before any state exists (``collectives``); every later step only updates
 what this allocates.
+
+Why it reads back to the host so rarely: on a GPU every value read back waits for the device
+to finish all it was given. The statistics of every segment stay on the device until all are
+made and come back as one vector (``partition.stats_of``); the histogram is summed on the
+device and comes back once per device; the cut blocks' absmax (sharded tensors) once. So a
+first step reads back a handful of times whatever the model's size, and runs a handful of
+collectives (``initialize``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Hashable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from .backends.reference import CHUNK
-from .distributed import collectives, sharding
+from .distributed import collectives
 from .method import codebook as cb
-from .method import partition, state
-from .method.segments import Segment, block_chunks, block_runs, column_chunks
+from .method import partition
+from .method.segments import Segment, block_runs, column_chunks
 
-if TYPE_CHECKING:
-    from .optimizer import Gefen
+_HIST_CHUNK = 1 << 22  # elements binned at once: bounds the histogram's temporaries
 
 
-def initialize(opt: Gefen, pending: list[tuple[torch.Tensor, dict]]) -> None:
-    """Partition newly seen parameters; learn the codebooks if this is the first time. A
-    non-finite first gradient on any rank is refused on every rank together, before anything
-    is written: the partition and the codebook would be learned from it."""
-    pieces: dict[Hashable, list[partition.TensorStats]] = {}
+@dataclass(frozen=True)
+class Pending:
+    """A parameter at its first step, as the first step reads it.
+
+    ``grad``: this rank's gradient, flat (``flat``); ``segments``: the pieces of original
+    tensors it holds; ``copy``: another rank of the group holds the same piece (it counts once
+    in the group's statistics and histogram); ``name``: what an error calls it (a callable, as
+    naming a parameter searches the optimizer's groups and is wanted only for an error)."""
+
+    name: Callable[[], str]
+    bits: int
+    segments: list[Segment]
+    grad: torch.Tensor
+    copy: bool = False
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What the first step learned: ``blocks[i][j]`` the block size of segment j of pending
+    parameter i; ``codebooks`` the codebook of each bit width that had none before."""
+
+    blocks: list[list[int]]
+    codebooks: dict[int, torch.Tensor]
+
+
+def initialize(
+    pending: list[Pending], group: dist.ProcessGroup | None, have: Collection[int]
+) -> Learned:
+    """Partition newly seen parameters; learn the codebooks of the bit widths not in ``have``.
+    A non-finite first gradient on any rank is refused on every rank together, before anything
+    is learned: the partition and the codebook would be learned from it.
+
+    Under a process group it runs four collectives whatever the number of parameters: one
+    all-reduce of the refusal, one all-gather of the spread tensors' statistics and, when a
+    codebook is learned, one all-gather of the cut blocks' absmax and one all-reduce of the
+    histogram."""
+    keys: list[list[Hashable]] = []
     seg_of: dict[Hashable, Segment] = {}
-    plan = []
-    bad = None
-    for p, group in pending:
-        segs = opt._segments_for(p)
-        flat_g = flat(sharding.local(p.grad), p, opt)
-        copy = sharding.is_copy(p)
-        keys = []
-        for i, seg in enumerate(segs):
-            key = seg.name or (id(p), i)
+    requests: list[partition.StatsRequest] = []
+    owner: list[tuple[int, Hashable]] = []
+    for i, item in enumerate(pending):
+        row = []
+        for j, seg in enumerate(item.segments):
+            key = seg.name or (i, j)
             seg_of[key] = seg
-            keys.append(key)
-            if copy:  # another rank of the group holds the same piece: it counts once
-                pieces.setdefault(key, [])
+            row.append(key)
+            if item.copy:
                 continue
-            st = partition.segment_stats(
-                flat_g[seg.offset : seg.offset + seg.numel],
-                seg.start,
-                partition.candidate_block_sizes(seg.shape),
-                partition.column_period(seg.shape),
+            piece = item.grad[seg.offset : seg.offset + seg.numel]
+            requests.append(
+                partition.StatsRequest(
+                    piece,
+                    seg.start,
+                    partition.candidate_block_sizes(seg.shape),
+                    partition.column_period(seg.shape),
+                )
             )
-            if bad is None and not (math.isfinite(st.s1) and math.isfinite(st.s2)):
-                bad = opt._name(p)
-            pieces.setdefault(key, []).append(st)
-        plan.append((p, group, segs, keys))
-    if collectives.any_rank(opt._group, bad is not None):
+            owner.append((i, key))
+        keys.append(row)
+    pieces: dict[Hashable, list[partition.TensorStats]] = {k: [] for row in keys for k in row}
+    bad = None
+    for (i, key), st in zip(owner, partition.stats_of(requests), strict=True):
+        if bad is None and not (math.isfinite(st.s1) and math.isfinite(st.s2)):
+            bad = pending[i].name()
+        pieces[key].append(st)
+    if collectives.any_rank(group, bad is not None):
         where = f"in {bad}" if bad is not None else "on another rank"
         raise ValueError(
             f"non-finite gradient {where} at its first step: Gefen learns its block partition "
             "and codebook from it and will not learn them from inf/NaN (check the loss, or "
             "the AMP grad scaler)"
         )
-    merged = collectives.merge_stats(opt._group, pieces)
+    merged = collectives.merge_stats(group, pieces)
     block_of = {
         k: partition.choose_block_size(
             s, seg_of[k].tensor_numel, partition.row_length(seg_of[k].shape)
@@ -69,110 +110,159 @@ def initialize(opt: Gefen, pending: list[tuple[torch.Tensor, dict]]) -> None:
         for k, s in merged.items()
     }
 
-    new_bits = sorted({g["bits"] for _, g, _, _ in plan} - set(opt._codebooks))
+    codebooks: dict[int, torch.Tensor] = {}
+    new_bits = sorted({item.bits for item in pending} - set(have))
     if new_bits:
-        counts = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64, device="cpu")
-        cut = cut_block_absmax(opt, plan, block_of)
-        for p, _, segs, keys in plan:
-            if sharding.is_copy(p):
+        cut = cut_block_absmax(group, pending, keys, block_of)
+        acc: dict[torch.device, torch.Tensor] = {}
+        for item, row in zip(pending, keys, strict=True):
+            if item.copy:
                 continue
-            flat_g = flat(sharding.local(p.grad), p, opt)
-            for seg, key in zip(segs, keys, strict=True):
-                piece = flat_g[seg.offset : seg.offset + seg.numel]
-                histogram(piece, seg, block_of[key], counts, cut.get(key, {}))
-        counts = collectives.sum_histogram(opt._group, counts)
+            for seg, key in zip(item.segments, row, strict=True):
+                piece = item.grad[seg.offset : seg.offset + seg.numel]
+                if piece.device not in acc:
+                    acc[piece.device] = _bins(piece.device)
+                bin_segment(piece, seg, block_of[key], acc[piece.device], cut.get(key, {}))
+        counts = torch.zeros(cb.DEFAULT_BINS, dtype=torch.float64, device="cpu")
+        for a in acc.values():
+            counts += a[: cb.DEFAULT_BINS].to(device="cpu", dtype=torch.float64)
+        counts = collectives.sum_histogram(group, counts)
         for bits in new_bits:
-            opt._codebooks[bits] = cb.learn_codebook(counts, bits)
-
-    for p, group, segs, keys in plan:
-        blocks = [block_of[k] for k in keys]
-        levels = opt._shared_codebook(opt._codebooks[group["bits"]], p.device)
-        opt.state[p] = state.allocate(segs, blocks, levels, p.device)
-    opt._cross_slots = None  # new tensors may be spread: agree on the table again
+            codebooks[bits] = cb.learn_codebook(counts, bits)
+    return Learned([[block_of[k] for k in row] for row in keys], codebooks)
 
 
-def cut_block_absmax(opt: Gefen, plan, block_of) -> dict[Hashable, dict[int, float]]:
+def cut_block_absmax(
+    group: dist.ProcessGroup | None,
+    pending: list[Pending],
+    keys: list[list[Hashable]],
+    block_of: dict[Hashable, int],
+) -> dict[Hashable, dict[int, float | torch.Tensor]]:
     """Whole-block absmax of g0 for blocks cut by a shard boundary (and of every column of a
     column-blocked tensor spread over ranks), so that every rank normalises its piece of such a
     block as one process would and the summed histogram (hence the codebook) is the
-    single-process one."""
-    if opt._group is None:
+    single-process one. The pieces' absmax come back to the host in one read."""
+    if group is None:
         return {}
-    local: dict[Hashable, dict[int, float]] = {}
-    for p, _, segs, keys in plan:
-        flat_g = flat(sharding.local(p.grad), p, opt)
-        for seg, key in zip(segs, keys, strict=True):
+    blocks: list[tuple[Hashable, int]] = []
+    block_vals: list[torch.Tensor] = []
+    columns: list[tuple[Hashable, Segment]] = []
+    column_vals: list[torch.Tensor] = []
+    for item, row in zip(pending, keys, strict=True):
+        for seg, key in zip(item.segments, row, strict=True):
             bs = block_of[key]
             if not isinstance(key, str) or bs == 1:
                 continue
+            piece = item.grad[seg.offset : seg.offset + seg.numel]
             if bs < 0:
-                piece = flat_g[seg.offset : seg.offset + seg.numel]
-                cols = torch.zeros(-bs, device="cpu")
-                k = (seg.start + torch.arange(min(seg.numel, -bs), device="cpu")) % -bs
-                cols[k] = column_absmax(piece, -bs).cpu()
-                prev = local.setdefault(key, {}).get(-1)
-                local[key][-1] = cols if prev is None else torch.maximum(prev, cols)
+                columns.append((key, seg))
+                column_vals.append(column_absmax(piece, -bs).double())
                 continue
             for run in block_runs(seg.start, seg.numel, bs):
                 if run.length < bs:
-                    a = seg.offset + run.elem
-                    amax = float(flat_g[a : a + run.length].abs().max())
-                    b = (seg.start + run.elem) // bs
-                    # several of this rank's segments may cut one block (rows of a piece)
-                    had = local.setdefault(key, {}).get(b)
-                    local[key][b] = amax if had is None else max(had, amax)
-    return collectives.max_cut_absmax(opt._group, local)
+                    blocks.append((key, (seg.start + run.elem) // bs))
+                    amax = piece[run.elem : run.elem + run.length].abs().max()
+                    block_vals.append(amax.double().view(1))
+    local: dict[Hashable, dict[int, float | torch.Tensor]] = {}
+    every = block_vals + column_vals
+    host = torch.cat([v.to(every[0].device) for v in every]).cpu() if every else None
+    vals = host[: len(block_vals)].tolist() if host is not None else []
+    for (key, b), amax in zip(blocks, vals, strict=True):
+        had = local.setdefault(key, {}).get(b)
+        # several of this rank's segments may cut one block (rows of a piece)
+        local[key][b] = amax if had is None else max(had, amax)
+    at = len(block_vals)
+    for (key, seg), v in zip(columns, column_vals, strict=True):
+        period = -block_of[key]
+        cols = torch.zeros(period, device="cpu")
+        k = (seg.start + torch.arange(v.numel(), device="cpu")) % period
+        cols[k] = host[at : at + v.numel()].float()
+        at += v.numel()
+        prev = local.setdefault(key, {}).get(-1)
+        local[key][-1] = cols if prev is None else torch.maximum(prev, cols)
+    return collectives.max_cut_absmax(group, local)
 
 
-def contiguous(t: torch.Tensor, p: torch.Tensor, opt: Gefen) -> torch.Tensor:
+def flat(t: torch.Tensor, name: Callable[[], str]) -> torch.Tensor:
+    """``t`` as one flat run of elements; a parameter or gradient that is not contiguous is
+    refused by name (its segments' offsets would not be its elements')."""
     if not t.is_contiguous():
-        raise ValueError(f"Gefen needs contiguous parameters and gradients; {opt._name(p)} is not")
-    return t
-
-
-def flat(t: torch.Tensor, p: torch.Tensor, opt: Gefen) -> torch.Tensor:
-    return contiguous(t, p, opt).view(-1)
+        raise ValueError(f"Gefen needs contiguous parameters and gradients; {name()} is not")
+    return t.view(-1)
 
 
 def histogram(
     g: torch.Tensor, seg: Segment, block_size: int, counts: torch.Tensor, cut: dict[int, float]
 ) -> None:
-    """Add block-normalised values g / absmax(block) of one segment to ``counts``; ``cut`` gives
-    the whole-block absmax of blocks that a shard boundary cuts."""
+    """Add block-normalised values g / absmax(block) of one segment to ``counts`` (float64, on
+    any device); ``cut`` gives the whole-block absmax of blocks that a shard boundary cuts."""
+    acc = _bins(g.device)
+    bin_segment(g, seg, block_size, acc, cut)
+    counts += acc[: cb.DEFAULT_BINS].to(device=counts.device, dtype=torch.float64)
+
+
+def _bins(device: torch.device) -> torch.Tensor:
+    """Int64 counts of ``cb.DEFAULT_BINS`` bins and one more, where the values of all-zero
+    blocks go (they have no scale and count nowhere): dropping them by a mask would give the
+    device a shape to report back."""
+    return torch.zeros(cb.DEFAULT_BINS + 1, dtype=torch.int64, device=device)
+
+
+def bin_segment(
+    g: torch.Tensor, seg: Segment, block_size: int, acc: torch.Tensor, cut: dict[int, float]
+) -> None:
+    """``histogram`` into ``acc`` (``_bins``, on g's device), with nothing read back."""
     if block_size == 1:
         return
     if block_size < 0:
-        column_histogram(g, seg.start, -block_size, counts, cut.get(-1))
+        column_bins(g, seg.start, -block_size, acc, cut.get(-1))
         return
-    for c in block_chunks(seg.start, seg.numel, block_size, CHUNK):
-        x = g[c.elem : c.end].float().view(c.rows, c.length)
-        amax = x.abs().amax(dim=1, keepdim=True)
-        whole = cut.get((seg.start + c.elem) // block_size)
-        if c.length < block_size and whole is not None:
-            amax.fill_(whole)
-        keep = amax.view(-1) > 0
-        cb.histogram(x[keep] / amax[keep], cb.DEFAULT_BINS, out=counts)
+    for run in block_runs(seg.start, seg.numel, block_size):
+        whole = cut.get((seg.start + run.elem) // block_size) if run.length < block_size else None
+        rows = max(1, _HIST_CHUNK // run.length)
+        for r0 in range(0, run.count, rows):
+            r1 = min(r0 + rows, run.count)
+            a = run.elem + r0 * run.length
+            x = g[a : a + (r1 - r0) * run.length].float().view(r1 - r0, run.length)
+            amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)  # max |x|
+            if whole is not None:
+                amax.fill_(whole)
+            _bin_scaled(x, amax, acc)
+
+
+def _bin_scaled(x: torch.Tensor, amax: torch.Tensor, acc: torch.Tensor) -> None:
+    """Count x / amax (amax broadcast over x) into ``acc`` as ``cb.histogram`` bins: the same
+    float32 quotient, the same float64 bin arithmetic, so the counts are exactly its counts;
+    the elements whose amax is 0 go to the extra bin."""
+    bins = cb.DEFAULT_BINS
+    keep = amax > 0
+    # (y + 1) * bins / 2, floored and clamped to [0, bins - 1] as cb.histogram does; amax's
+    # shape (a row's or a column's) carries the all-zero blocks off to bin ``bins``: +5, not +1,
+    # and a limit of ``bins``. Truncation floors here: the values are clamped at 0 first.
+    y = (x / torch.where(keep, amax, torch.ones_like(amax))).to(torch.float64)
+    y.add_(torch.where(keep, 1.0, 5.0)).mul_(bins / 2.0)
+    y.clamp_(min=y.new_zeros(()), max=torch.where(keep, float(bins - 1), float(bins)).to(y.dtype))
+    idx = y.to(torch.int64).reshape(-1)
+    acc.index_add_(0, idx, torch.ones((), dtype=acc.dtype, device=acc.device).expand(idx.numel()))
 
 
 def column_absmax(g: torch.Tensor, period: int) -> torch.Tensor:
     """max |g| of each of a segment's column blocks (block k: its elements i = k mod period)."""
     amax = torch.zeros(min(g.numel(), period), dtype=torch.float32, device=g.device)
-    for lo, hi, w in column_chunks(g.numel(), period, CHUNK):
+    for lo, hi, w in column_chunks(g.numel(), period, _HIST_CHUNK):
         torch.maximum(amax[:w], g[lo:hi].float().view(-1, w).abs().amax(dim=0), out=amax[:w])
     return amax
 
 
-def column_histogram(
-    g: torch.Tensor, start: int, period: int, counts: torch.Tensor, columns: torch.Tensor | None
+def column_bins(
+    g: torch.Tensor, start: int, period: int, acc: torch.Tensor, columns: torch.Tensor | None
 ) -> None:
-    """``_histogram`` for column blocks: each column normalised by its absmax, that of the whole
-    column (``columns``, indexed by column) when the tensor is spread over ranks."""
+    """``bin_segment`` for column blocks: each column normalised by its absmax, that of the
+    whole column (``columns``, indexed by column) when the tensor is spread over ranks."""
     nb = min(g.numel(), period)
     if columns is None:
         amax = column_absmax(g, period)
     else:
         amax = columns.to(g.device)[(start + torch.arange(nb, device=g.device)) % period]
-    keep = amax > 0
-    for lo, hi, w in column_chunks(g.numel(), period, CHUNK):
-        x = g[lo:hi].float().view(-1, w)[:, keep[:w]]
-        cb.histogram((x / amax[:w][keep[:w]]).reshape(-1), cb.DEFAULT_BINS, out=counts)
+    for lo, hi, w in column_chunks(g.numel(), period, _HIST_CHUNK):
+        _bin_scaled(g[lo:hi].float().view(-1, w), amax[:w], acc)

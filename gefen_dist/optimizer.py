@@ -17,6 +17,7 @@ and learns the same codebook.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -491,7 +492,20 @@ class Gefen(Optimizer):
         return levels
 
     def _initialize(self, pending: list[tuple[torch.Tensor, dict]]) -> None:
-        first_step.initialize(self, pending)
+        """The first step of ``pending`` (``first_step``): blocks, and codebooks for new bit
+        widths; then their state."""
+        items = []
+        for p, group in pending:
+            name = functools.partial(self._name, p)
+            segs = self._segments_for(p)
+            grad = first_step.flat(sharding.local(p.grad), name)
+            items.append(first_step.Pending(name, group["bits"], segs, grad, sharding.is_copy(p)))
+        learned = first_step.initialize(items, self._group, set(self._codebooks))
+        self._codebooks.update(learned.codebooks)
+        for (p, group), item, blocks in zip(pending, items, learned.blocks, strict=True):
+            levels = self._shared_codebook(self._codebooks[group["bits"]], p.device)
+            self.state[p] = state.allocate(item.segments, blocks, levels, p.device)
+        self._cross_slots = None  # new tensors may be spread: agree on the table again
 
     # -- checkpoints -------------------------------------------------------------------------
     @staticmethod

@@ -80,8 +80,10 @@ the numbers one process would compute for the whole tensor (see ``merge_stats``)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 MIN_BLOCK = 8
@@ -90,7 +92,7 @@ MIN_SHARED_NUMEL = 4096
 STRUCTURE = 0.95
 JUMP = 0.05
 ALIKE = 0.5
-_CHUNK = 1 << 18
+_CHUNK = 1 << 22  # elements of a chunk of the statistics: 32 MiB of float64
 
 
 def row_length(shape: tuple[int, ...]) -> int:
@@ -172,62 +174,178 @@ class TensorStats:
             self.col_sums = torch.zeros(self.period, dtype=torch.float64, device="cpu")
 
 
+@dataclass(frozen=True)
+class StatsRequest:
+    """One segment whose statistics ``stats_of`` gathers: its flat gradient piece, the piece's
+    first index in the tensor, the tensor's candidate block sizes and column period (0: none)."""
+
+    grad: torch.Tensor
+    start: int
+    candidates: list[int]
+    period: int = 0
+
+
 def segment_stats(
     grad: torch.Tensor, start: int, candidates: list[int], period: int = 0
 ) -> TensorStats:
     """Statistics of x = grad^2 for a piece of a tensor starting at flat index ``start``;
-    ``period`` > 0 also gathers the column sums for that row length (``column_period``).
+    ``period`` > 0 also gathers the column sums for that row length (``column_period``)."""
+    return stats_of([StatsRequest(grad, start, list(candidates), period)])[0]
 
-    Works in chunks so that partitioning a huge tensor never allocates a tensor-sized temporary.
+
+def stats_of(requests: list[StatsRequest]) -> list[TensorStats]:
+    """``segment_stats`` of many segments with one read back to the host for all of them.
+
+    Why: the statistics of a tensor are a few numbers per candidate block size, and reading
+    each back as it is made (a sync of the device per number, hundreds per tensor at 1B
+    parameters) cost more than the arithmetic. Every sum stays on the gradient's device until
+    all segments are done; then one vector comes back and is cut into ``TensorStats``.
+
+    How: the block sums of a candidate p are built from those of its largest candidate
+    divisor (or from sums over runs of g = gcd of the candidates elements), so the gradient is
+    read once per chunk whatever the number of candidates. Chunks end at multiples of the
+    candidates' least common multiple in the tensor's coordinates, so no block crosses a chunk
+    and only the segment's two ends can cut one; a chunk holds at most ``_CHUNK`` elements, or
+    that multiple where it is larger (tensors whose candidates' multiple passes ``_CHUNK`` are
+    rare: flat buffers of a highly composite size).
     """
-    stats = TensorStats(list(candidates), period=period)
-    flat = grad.reshape(-1)
-    n = flat.numel()
+    out: list[TensorStats | None] = []
+    pending: list[tuple[int, _Sums]] = []
+    for req in requests:
+        flat = req.grad.reshape(-1)
+        if flat.numel() == 0:
+            out.append(TensorStats(list(req.candidates), period=req.period))
+            continue
+        pending.append((len(out), _device_sums(flat, req)))
+        out.append(None)
+    if pending:
+        dev = pending[0][1].vector.device  # one read even where pieces lie on several devices
+        host = torch.cat([s.vector.to(dev) for _, s in pending]).cpu()
+        values = host.tolist()
+        at = 0
+        for i, sums in pending:
+            out[i] = sums.read(values, host, at)
+            at += sums.vector.numel()
+    return out  # type: ignore[return-value]
+
+
+@dataclass
+class _Sums:
+    """One segment's statistics as a device vector [s1, s2, block_sq per candidate, the cut
+    blocks' partial sums, column sums], and where each lies in it."""
+
+    request: StatsRequest
+    count: int
+    vector: torch.Tensor
+    cut: list[tuple[int, int]]  # (candidate index, block index) of each partial sum, in order
+
+    def read(self, values: list[float], host: torch.Tensor, at: int) -> TensorStats:
+        req, k = self.request, len(self.request.candidates)
+        stats = TensorStats(list(req.candidates), period=req.period)
+        stats.count = float(self.count)
+        stats.s1, stats.s2 = values[at], values[at + 1]
+        stats.block_sq = values[at + 2 : at + 2 + k]
+        for j, (i, b) in enumerate(self.cut):
+            part = stats.partial[i]
+            part[b] = part.get(b, 0.0) + values[at + 2 + k + j]
+        if req.period:
+            lo = at + 2 + k + len(self.cut)
+            stats.col_sums = host[lo : lo + req.period].clone()
+        return stats
+
+
+def _lcm(values: list[int]) -> int:
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
+
+
+def _device_sums(flat: torch.Tensor, req: StatsRequest) -> _Sums:
+    cands, period = req.candidates, req.period
+    n, start = flat.numel(), req.start
     end = start + n
-    carry = [0.0] * len(candidates)
-    for a in range(0, n, _CHUNK):
-        x = flat[a : a + _CHUNK].double().square_()
-        stats.count += x.numel()
-        stats.s1 += float(x.sum())
-        stats.s2 += float(x.square().sum())
-        if period:
-            _add_columns(stats.col_sums, x, start + a, period)
-        prefix = torch.cat([x.new_zeros(1), x.cumsum(0)])
-        t0, t1 = start + a, start + a + x.numel()
-        for i, p in enumerate(candidates):
-            first = (t0 // p + 1) * p
-            if first > t1:
-                carry[i] += float(prefix[-1])
-                continue
-            at = prefix[torch.arange(first - t0, t1 - t0 + 1, p, device=prefix.device)]
-            sums = torch.diff(at, prepend=prefix[:1])
-            sums[0] += carry[i]
-            block_lo = t0 // p
-            if (block_lo * p) < start:
-                stats.partial[i][block_lo] = stats.partial[i].get(block_lo, 0.0) + float(sums[0])
-                sums = sums[1:]
-            stats.block_sq[i] += float(sums.square().sum())
-            carry[i] = float(prefix[-1] - at[-1])
-    for i, p in enumerate(candidates):
-        if n and end % p:
-            last = (end - 1) // p
-            stats.partial[i][last] = stats.partial[i].get(last, 0.0) + carry[i]
-    return stats
+    dev = flat.device
+    base = math.gcd(*cands) if cands else 1
+    # each candidate's block sums come from its largest candidate divisor's, else from runs of base
+    parent = [
+        max((j for j in range(i) if p % cands[j] == 0), default=-1) for i, p in enumerate(cands)
+    ]
+    step = _lcm(cands)
+    step = max(step, _CHUNK // step * step)
+    s1, s2 = [], []
+    sq: list[list[torch.Tensor]] = [[] for _ in cands]
+    cut_ids: list[tuple[int, int]] = []
+    cut_vals: list[torch.Tensor] = []
+    cols = torch.zeros(period, dtype=torch.float64, device=dev) if period else None
+    t0 = start
+    while t0 < end:
+        t1 = min((t0 // step + 1) * step, end)
+        # a copy squared in place: a float64 gradient's .double() would be the gradient itself
+        x = flat[t0 - start : t1 - start].to(torch.float64, copy=True).square_()
+        s2.append(torch.dot(x, x))
+        if cols is not None:
+            _add_columns(cols, x, t0, period)
+        runs = _group_sums(x, t0, base) if base > 1 else x
+        s1.append(runs.sum())
+        sums: list[torch.Tensor] = []
+        for i, p in enumerate(cands):
+            d = cands[parent[i]] if parent[i] >= 0 else base
+            s = _group_sums(sums[parent[i]] if parent[i] >= 0 else runs, t0 // d, p // d)
+            sums.append(s)
+            b0, b1 = t0 // p, (t1 - 1) // p  # the blocks this chunk touches
+            head = b0 * p < start  # cut by the segment's start
+            tail = (b1 + 1) * p > end  # cut by its end
+            lo, hi = int(head), s.numel() - int(tail)
+            if hi > lo:
+                sq[i].append(torch.dot(s[lo:hi], s[lo:hi]))
+            if head:
+                cut_ids.append((i, b0))
+                cut_vals.append(s[:1])
+            if tail and (b1 != b0 or not head):
+                cut_ids.append((i, b1))
+                cut_vals.append(s[-1:])
+        t0 = t1
+    zero = flat.new_zeros((), dtype=torch.float64)
+    scalars = [torch.stack(s1).sum(), torch.stack(s2).sum()]
+    scalars += [torch.stack(q).sum() if q else zero for q in sq]
+    parts = [torch.stack(scalars), *cut_vals]
+    if cols is not None:
+        parts.append(cols)
+    return _Sums(req, n, torch.cat(parts), cut_ids)
+
+
+def _group_sums(x: torch.Tensor, first: int, ratio: int) -> torch.Tensor:
+    """Sums of ``ratio`` consecutive entries of ``x`` grouped as a tensor's coordinates group
+    them: entry k of ``x`` has index ``first + k`` there, and group j holds the indices
+    [j * ratio, (j + 1) * ratio); the groups the ends of ``x`` cut hold what ``x`` has of them."""
+    if ratio == 1:
+        return x
+    front = first % ratio
+    back = -(front + x.numel()) % ratio
+    if front or back:  # only at a segment's ends
+        x = torch.nn.functional.pad(x, (front, back))
+    if ratio <= 4:  # a sum over a short inner dim is slow on a CPU; strided adds are not
+        out = x[0::ratio] + x[1::ratio]
+        for k in range(2, ratio):
+            out += x[k::ratio]
+        return out
+    return x.view(-1, ratio).sum(dim=1)
 
 
 def _add_columns(sums: torch.Tensor, x: torch.Tensor, t0: int, period: int) -> None:
-    """sums[j] += x[i] for the i whose flat index t0 + i is j mod period. ``sums`` stays on the
-    host (ranks all-gather the statistics as objects), ``x`` is on the gradient's device."""
+    """sums[j] += x[i] for the i whose flat index t0 + i is j mod period (both on the
+    gradient's device)."""
     first = t0 % period
     head = min((period - first) % period, x.numel())
     if head:
-        sums[first : first + head] += x[:head].to(sums.device)
+        sums[first : first + head] += x[:head]
     body = x[head:]
     whole = body.numel() // period * period
     if whole:
-        sums += body[:whole].view(-1, period).sum(dim=0).to(sums.device)
+        sums += body[:whole].view(-1, period).sum(dim=0)
     if body.numel() > whole:
-        sums[: body.numel() - whole] += body[whole:].to(sums.device)
+        sums[: body.numel() - whole] += body[whole:]
 
 
 def merge_stats(parts: list[TensorStats]) -> TensorStats:
@@ -276,7 +394,8 @@ def column_heterogeneity(stats: TensorStats, numel: int) -> float:
     if not total > 0.0:
         return float("inf")
     total /= n - 1.0
-    sq = float(stats.col_sums.square().sum())
+    c = stats.col_sums.numpy()  # on the host: a read of numbers already there
+    sq = float(np.dot(c, c))
     within = max(stats.s2 - sq / (n / period), 0.0) / (n - period)
     return within / total
 
