@@ -27,7 +27,7 @@ from .method import codebook as cb
 from .method import partition
 from .method.segments import Segment, block_runs, column_chunks
 
-_HIST_CHUNK = 1 << 22  # elements binned at once: bounds the histogram's temporaries
+_HIST_CHUNK = 1 << 18  # elements binned at once: about 24 bytes of temporaries each (6 MiB)
 
 
 @dataclass(frozen=True)
