@@ -92,7 +92,19 @@ MIN_SHARED_NUMEL = 4096
 STRUCTURE = 0.95
 JUMP = 0.05
 ALIKE = 0.5
-_CHUNK = 1 << 18  # elements of a chunk of the statistics: 2 MiB of float64, a few of it live
+_CHUNK = {"cpu": 1 << 18}  # elements a first-step pass reads at once, by device type
+_DEVICE_CHUNK = 1 << 22
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements the first step's passes (statistics, histogram) read at once on ``device``.
+
+    Why two sizes: on the CPU, a chunk's float64 temporaries show up in the process's RSS, and
+    256K elements keep them near 6 MiB (``test_a_step_allocates_no_parameter_sized_temporaries``
+    bounds the step at 16 MiB); on a GPU each chunk costs a few dozen kernel launches, and 4M
+    elements (32 MiB of float64) keep a 1B-parameter first step near 10k chunks instead of
+    16 times as many at 256K."""
+    return _CHUNK.get(device.type, _DEVICE_CHUNK)
 
 
 def row_length(shape: tuple[int, ...]) -> int:
@@ -205,9 +217,9 @@ def stats_of(requests: list[StatsRequest]) -> list[TensorStats]:
     divisor (or from sums over runs of g = gcd of the candidates elements), so the gradient is
     read once per chunk whatever the number of candidates. Chunks end at multiples of the
     candidates' least common multiple in the tensor's coordinates, so no block crosses a chunk
-    and only the segment's two ends can cut one; a chunk holds at most ``_CHUNK`` elements, or
-    that multiple where it is larger (tensors whose candidates' multiple passes ``_CHUNK`` are
-    rare: flat buffers of a highly composite size).
+    and only the segment's two ends can cut one; a chunk holds at most ``chunk_elements``
+    elements, or that multiple where it is larger (tensors whose candidates' multiple passes
+    that are rare: flat buffers of a highly composite size).
     """
     out: list[TensorStats | None] = []
     pending: list[tuple[int, _Sums]] = []
@@ -272,7 +284,7 @@ def _device_sums(flat: torch.Tensor, req: StatsRequest) -> _Sums:
         max((j for j in range(i) if p % cands[j] == 0), default=-1) for i, p in enumerate(cands)
     ]
     step = _lcm(cands)
-    step = max(step, _CHUNK // step * step)
+    step = max(step, chunk_elements(dev) // step * step)
     # [s1, s2, block_sq per candidate], added to in place: a list of per-chunk scalars would
     # keep small live tensors between the chunks' large ones and grow the heap by the chunks
     acc = torch.zeros(2 + len(cands), dtype=torch.float64, device=dev)
