@@ -19,6 +19,7 @@ gate+up, a ModuleList of nn.Linear) and each seed, one first batch of the bench'
   and ``batched``: the prototype rule of research/moe_partition.md, today's 2-D rule applied
   to each slice as a matrix (all-zero slices left out), with the slices' choices and their
   agreement.
+- ``--late``: the linear storage's unrouted experts over three small first steps;
 - ``--dense`` lists every tensor of 3 or more dims in the demo GPT and the bench's tasks and
   whether the prototype's gate (last two dims each >= MIN_BLOCK) would take it.
 """
@@ -283,6 +284,33 @@ def dense() -> None:
             print(f"    {n} {s} -> {'batched' if batched_gate(s) else 'today'}")
 
 
+def late(seed: int = 1, steps: int = 3) -> None:
+    """The linear storage with 1 x 16-byte batches: which experts have no grad at each step,
+    which have state after it, and the blocks each expert's gate_proj got."""
+    torch.manual_seed(seed)
+    m = moe.MoELM(moe.MoEConfig(storage="linear", seq=16))
+    batches = moe.lm_batches(seed, dict(batch=1, seq=16))
+    opt = Gefen(m.parameters(), lr=1e-3, bits=4)
+    gates = [e.gate_proj.weight for e in m.layers[0].moe.experts]
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        moe.lm_loss(m, next(batches)).backward()
+        print(
+            f"step {step}: layer 0 tokens {m.layers[0].moe.last_counts.tolist()}, "
+            f"no grad {[i for i, g in enumerate(gates) if g.grad is None]}"
+        )
+        opt.step()
+        print(f"  with state: {[i for i, g in enumerate(gates) if opt.state.get(g)]}")
+    rows = [
+        r
+        for p, r in zip(
+            [p for p, s in opt.state.items() if s], opt.memory_report()["tensors"], strict=True
+        )
+        if any(p is g for g in gates)
+    ]
+    print("  gate_proj blocks:", [r["block_sizes"] for r in rows])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -292,10 +320,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--jsonl", default="")
     ap.add_argument("--dense", action="store_true")
+    ap.add_argument("--late", action="store_true", help="unrouted experts of the linear storage")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.dense:
         dense()
+        return
+    if a.late:
+        late()
         return
     rev = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
