@@ -7,9 +7,13 @@ same numbers as the per-expert ``nn.Linear`` weight, in its own orientation."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from gefen_dist import Gefen
+from gefen_dist.bench import moe
 from gefen_dist.bench.moe import STORAGES, MoEConfig, MoELM
 
 pytestmark = pytest.mark.unit
@@ -113,3 +117,24 @@ def _expert_grads(moe, e: int) -> tuple[torch.Tensor, ...]:
 def test_unknown_storage_is_refused_by_name():
     with pytest.raises(ValueError, match="storage 'stacked'"):
         MoELM(MoEConfig(storage="stacked", **SMALL))
+
+
+@pytest.mark.parametrize("storage", ["grouped", "linear"])
+def test_bench_task_builds_from_the_seed_and_trains_with_gefen(storage):
+    spec = moe.task(storage)
+    a, b, c = moe.build(spec, 0), moe.build(spec, 0), moe.build(spec, 1)
+    pa, pb, pc = (list(i.model.parameters()) for i in (a, b, c))
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(pa, pc, strict=True))
+    batch = next(a.batches)
+    assert torch.equal(batch[0], next(b.batches)[0])
+    opt = Gefen(a.model.parameters(), lr=3e-3, bits=4)
+    before = a.evaluate(a.model)["val_loss"]
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        a.loss(a.model, batch).backward()
+        opt.step()
+    with torch.no_grad():
+        after, untrained = float(a.loss(a.model, batch)), float(b.loss(b.model, batch))
+    assert after < untrained  # three steps on one batch fit it
+    assert math.isfinite(before)

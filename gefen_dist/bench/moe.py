@@ -16,8 +16,9 @@ map to E logits, softmax, top-k (k = 2), the k weights renormalised to sum to on
 rule); no load-balancing loss, so the experts an untrained router sends no token to stay
 unrouted, as in a user's first step. Attention and norms are the bench's Llama block's.
 
-This module imports from ``gefen_dist.bench.tasks`` (one way); it is not in ``tasks.TASKS``,
-so the suite's default task list is unchanged.
+This module imports from ``gefen_dist.bench.tasks`` (one way). ``task(storage)`` and
+``build`` give it as a bench task (``tasks.Task`` / ``tasks.Instance``); it is not in
+``tasks.TASKS``, so the suite's default task list is unchanged.
 """
 
 from __future__ import annotations
@@ -188,3 +189,60 @@ def lm_batches(seed: int, sizes: dict | None = None) -> Iterator[tasks.Batch]:
 
 def lm_loss(model: nn.Module, batch: tasks.Batch) -> torch.Tensor:
     return tasks._lm_loss(model, batch)
+
+
+def task(storage: str = "grouped") -> tasks.Task:
+    """The MoE LM as a bench task (the Llama task's hyperparameters), for one storage.
+
+    Not in ``tasks.TASKS``: the suite's runners look tasks up there, and adding it would change
+    what ``python -m gefen_dist.bench compare`` runs by default."""
+    if storage not in STORAGES:
+        raise ValueError(f"storage {storage!r} is not one of {', '.join(STORAGES)}")
+    c = MoEConfig(storage=storage)
+    return tasks.Task(
+        f"moe_{storage}",
+        f"MoE byte LM (top-{c.top_k} of {c.n_experts} SwiGLU experts of {c.hidden}, d={c.dim}, "
+        f"{c.n_layers} layers; experts stored {storage})",
+        "lm",
+        tasks.Hyper(steps=180, lr=3e-3, evals=8),
+        dict(
+            LM_SIZES,
+            dim=c.dim,
+            n_layers=c.n_layers,
+            n_heads=c.n_heads,
+            n_experts=c.n_experts,
+            top_k=c.top_k,
+            hidden=c.hidden,
+            storage=storage,
+        ),
+    )
+
+
+def build(t: tasks.Task, seed: int) -> tasks.Instance:
+    """``tasks.build`` for an MoE task: the model from the seed, the LM batches and validation
+    set every LM task of the bench uses."""
+    s = t.sizes
+    torch.manual_seed(seed)
+    model = MoELM(
+        MoEConfig(
+            dim=s["dim"],
+            n_layers=s["n_layers"],
+            n_heads=s["n_heads"],
+            n_experts=s["n_experts"],
+            top_k=s["top_k"],
+            hidden=s["hidden"],
+            seq=s["seq"],
+            storage=s["storage"],
+        )
+    )
+    val = tasks._lm_val(s)
+
+    @torch.no_grad()
+    def evaluate(m: nn.Module) -> dict[str, float]:
+        m.eval()
+        loss = sum(float(tasks._lm_loss(m, b)) for b in val) / len(val)
+        m.train()
+        return dict(val_loss=loss)
+
+    info = dict(dim=s["dim"], n_heads=s["n_heads"], n_kv_heads=s["n_heads"])
+    return tasks.Instance(model, tasks._lm_batches(s, seed), tasks._lm_loss, evaluate, info)
