@@ -1,7 +1,7 @@
 """Why grouped expert weights fall back to B = 1, measured on the MoE LM in its four storages.
 
     python research/moe_partition.py [--seeds 0 1 2] [--batch-size 8] [--seq 64]
-        [--bits 4 8] [--jsonl research/results/moe_partition.jsonl]
+        [--dim 128] [--hidden 160] [--bits 4 8] [--jsonl research/results/moe_partition.jsonl]
 
 For each storage of ``gefen_dist.bench.moe`` (grouped (E, F, D)/(E, D, F), transposed, fused
 gate+up, a ModuleList of nn.Linear) and each seed, one first batch of the bench's LM data:
@@ -170,9 +170,11 @@ def batched_estimate(model: moe.MoELM, bits: int) -> dict:
     )
 
 
-def run(storage: str, seed: int, bits: list[int], batch: int, seq: int) -> dict:
+def run(
+    storage: str, seed: int, bits: list[int], batch: int, seq: int, dim: int, hidden: int
+) -> dict:
     torch.manual_seed(seed)
-    model = moe.MoELM(moe.MoEConfig(storage=storage, seq=seq))
+    model = moe.MoELM(moe.MoEConfig(storage=storage, seq=seq, dim=dim, hidden=hidden))
     xb = next(moe.lm_batches(seed, dict(batch=batch, seq=seq)))
     moe.lm_loss(model, xb).backward()
     experts = expert_tensors(model)
@@ -190,6 +192,8 @@ def run(storage: str, seed: int, bits: list[int], batch: int, seq: int) -> dict:
         seed=seed,
         batch=batch,
         seq=seq,
+        dim=dim,
+        hidden=hidden,
         counts=counts,
         expert_numel_without_grad=no_grad,
         bits={},
@@ -235,7 +239,8 @@ def fmt(v: float | None) -> str:
 
 def show(rec: dict) -> None:
     print(
-        f"\n## {rec['storage']} seed {rec['seed']} (batch {rec['batch']}x{rec['seq']}); "
+        f"\n## {rec['storage']} seed {rec['seed']} (d {rec['dim']}, F {rec['hidden']}, batch "
+        f"{rec['batch']}x{rec['seq']}); "
         f"tokens per expert {rec['counts']}"
         + (
             f"; {rec['expert_numel_without_grad']} expert elements without a grad (no state yet)"
@@ -318,6 +323,8 @@ def main() -> None:
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=moe.MoEConfig.dim)
+    ap.add_argument("--hidden", type=int, default=moe.MoEConfig.hidden)
     ap.add_argument("--jsonl", default="")
     ap.add_argument("--dense", action="store_true")
     ap.add_argument("--late", action="store_true", help="unrouted experts of the linear storage")
@@ -342,7 +349,7 @@ def main() -> None:
     lines = [json.dumps(header)]
     for storage in a.storages:
         for seed in a.seeds:
-            rec = run(storage, seed, a.bits, a.batch_size, a.seq)
+            rec = run(storage, seed, a.bits, a.batch_size, a.seq, a.dim, a.hidden)
             show(rec)
             lines.append(json.dumps(rec))
     if a.jsonl:
