@@ -27,8 +27,6 @@ from .method import codebook as cb
 from .method import partition
 from .method.segments import Segment, block_runs, column_chunks
 
-_HIST_CHUNK = 1 << 22  # elements binned at once: bounds the histogram's temporaries
-
 
 @dataclass(frozen=True)
 class Pending:
@@ -219,7 +217,7 @@ def bin_segment(
         return
     for run in block_runs(seg.start, seg.numel, block_size):
         whole = cut.get((seg.start + run.elem) // block_size) if run.length < block_size else None
-        rows = max(1, _HIST_CHUNK // run.length)
+        rows = max(1, partition.chunk_elements(g.device) // run.length)
         for r0 in range(0, run.count, rows):
             r1 = min(r0 + rows, run.count)
             a = run.elem + r0 * run.length
@@ -249,7 +247,7 @@ def _bin_scaled(x: torch.Tensor, amax: torch.Tensor, acc: torch.Tensor) -> None:
 def column_absmax(g: torch.Tensor, period: int) -> torch.Tensor:
     """max |g| of each of a segment's column blocks (block k: its elements i = k mod period)."""
     amax = torch.zeros(min(g.numel(), period), dtype=torch.float32, device=g.device)
-    for lo, hi, w in column_chunks(g.numel(), period, _HIST_CHUNK):
+    for lo, hi, w in column_chunks(g.numel(), period, partition.chunk_elements(g.device)):
         torch.maximum(amax[:w], g[lo:hi].float().view(-1, w).abs().amax(dim=0), out=amax[:w])
     return amax
 
@@ -264,5 +262,5 @@ def column_bins(
         amax = column_absmax(g, period)
     else:
         amax = columns.to(g.device)[(start + torch.arange(nb, device=g.device)) % period]
-    for lo, hi, w in column_chunks(g.numel(), period, _HIST_CHUNK):
+    for lo, hi, w in column_chunks(g.numel(), period, partition.chunk_elements(g.device)):
         _bin_scaled(g[lo:hi].float().view(-1, w), amax[:w], acc)

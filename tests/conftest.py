@@ -12,6 +12,11 @@ import os
 # TRITON_INTERPRET set differently". So for the whole session, before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every process a test starts (scripts, launchers, their ranks) imports the gefen_dist of the
+# checkout under test, not the one pip installed in editable mode, which may be another checkout.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+
 import pytest  # noqa: E402
 
 SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"

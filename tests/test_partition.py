@@ -148,7 +148,7 @@ def test_chunked_statistics_equal_one_pass(monkeypatch):
     x = _rows(288, 96, seed=4).reshape(-1)
     cands = pt.candidate_block_sizes((288, 96))
     one = pt.segment_stats(x[5:], 5, cands)
-    monkeypatch.setattr(pt, "_CHUNK", 1000)
+    monkeypatch.setattr(pt, "_CHUNK", {"cpu": 1000})
     chunked = pt.segment_stats(x[5:], 5, cands)
     assert chunked.block_sq == pytest.approx(one.block_sq, rel=1e-12)
     assert chunked.partial == [pytest.approx(d, rel=1e-12) for d in one.partial]

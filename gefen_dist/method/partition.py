@@ -92,7 +92,19 @@ MIN_SHARED_NUMEL = 4096
 STRUCTURE = 0.95
 JUMP = 0.05
 ALIKE = 0.5
-_CHUNK = 1 << 22  # elements of a chunk of the statistics: 32 MiB of float64
+_CHUNK = {"cpu": 1 << 18}  # elements a first-step pass reads at once, by device type
+_DEVICE_CHUNK = 1 << 22
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements the first step's passes (statistics, histogram) read at once on ``device``.
+
+    Why two sizes: on the CPU, a chunk's float64 temporaries show up in the process's RSS, and
+    256K elements keep them near 6 MiB (``test_a_step_allocates_no_parameter_sized_temporaries``
+    bounds the step at 16 MiB); on a GPU each chunk costs a few dozen kernel launches, and 4M
+    elements (32 MiB of float64) keep a 1B-parameter first step near 10k chunks instead of
+    16 times as many at 256K."""
+    return _CHUNK.get(device.type, _DEVICE_CHUNK)
 
 
 def row_length(shape: tuple[int, ...]) -> int:
@@ -205,9 +217,9 @@ def stats_of(requests: list[StatsRequest]) -> list[TensorStats]:
     divisor (or from sums over runs of g = gcd of the candidates elements), so the gradient is
     read once per chunk whatever the number of candidates. Chunks end at multiples of the
     candidates' least common multiple in the tensor's coordinates, so no block crosses a chunk
-    and only the segment's two ends can cut one; a chunk holds at most ``_CHUNK`` elements, or
-    that multiple where it is larger (tensors whose candidates' multiple passes ``_CHUNK`` are
-    rare: flat buffers of a highly composite size).
+    and only the segment's two ends can cut one; a chunk holds at most ``chunk_elements``
+    elements, or that multiple where it is larger (tensors whose candidates' multiple passes
+    that are rare: flat buffers of a highly composite size).
     """
     out: list[TensorStats | None] = []
     pending: list[tuple[int, _Sums]] = []
@@ -272,9 +284,10 @@ def _device_sums(flat: torch.Tensor, req: StatsRequest) -> _Sums:
         max((j for j in range(i) if p % cands[j] == 0), default=-1) for i, p in enumerate(cands)
     ]
     step = _lcm(cands)
-    step = max(step, _CHUNK // step * step)
-    s1, s2 = [], []
-    sq: list[list[torch.Tensor]] = [[] for _ in cands]
+    step = max(step, chunk_elements(dev) // step * step)
+    # [s1, s2, block_sq per candidate], added to in place: a list of per-chunk scalars would
+    # keep small live tensors between the chunks' large ones and grow the heap by the chunks
+    acc = torch.zeros(2 + len(cands), dtype=torch.float64, device=dev)
     cut_ids: list[tuple[int, int]] = []
     cut_vals: list[torch.Tensor] = []
     cols = torch.zeros(period, dtype=torch.float64, device=dev) if period else None
@@ -283,11 +296,11 @@ def _device_sums(flat: torch.Tensor, req: StatsRequest) -> _Sums:
         t1 = min((t0 // step + 1) * step, end)
         # a copy squared in place: a float64 gradient's .double() would be the gradient itself
         x = flat[t0 - start : t1 - start].to(torch.float64, copy=True).square_()
-        s2.append(torch.dot(x, x))
+        acc[1] += torch.dot(x, x)
         if cols is not None:
             _add_columns(cols, x, t0, period)
         runs = _group_sums(x, t0, base) if base > 1 else x
-        s1.append(runs.sum())
+        acc[0] += runs.sum()
         sums: list[torch.Tensor] = []
         for i, p in enumerate(cands):
             d = cands[parent[i]] if parent[i] >= 0 else base
@@ -298,18 +311,15 @@ def _device_sums(flat: torch.Tensor, req: StatsRequest) -> _Sums:
             tail = (b1 + 1) * p > end  # cut by its end
             lo, hi = int(head), s.numel() - int(tail)
             if hi > lo:
-                sq[i].append(torch.dot(s[lo:hi], s[lo:hi]))
+                acc[2 + i] += torch.dot(s[lo:hi], s[lo:hi])
             if head:
                 cut_ids.append((i, b0))
-                cut_vals.append(s[:1])
+                cut_vals.append(s[:1].clone())
             if tail and (b1 != b0 or not head):
                 cut_ids.append((i, b1))
-                cut_vals.append(s[-1:])
+                cut_vals.append(s[-1:].clone())
         t0 = t1
-    zero = flat.new_zeros((), dtype=torch.float64)
-    scalars = [torch.stack(s1).sum(), torch.stack(s2).sum()]
-    scalars += [torch.stack(q).sum() if q else zero for q in sq]
-    parts = [torch.stack(scalars), *cut_vals]
+    parts = [acc, *cut_vals]
     if cols is not None:
         parts.append(cols)
     return _Sums(req, n, torch.cat(parts), cut_ids)
