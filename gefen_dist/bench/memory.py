@@ -213,7 +213,11 @@ def gefen_state(grad: torch.Tensor, bits: list[int]) -> dict[int, dict]:
 
     segs = plain_segments(grad.numel(), tuple(grad.shape))
     flat = grad.reshape(-1)
-    old, partition._CHUNK = partition._CHUNK, max(partition._CHUNK, 1 << 21)
+    old = partition._CHUNK
+    partition._CHUNK = {
+        **old,
+        grad.device.type: max(partition.chunk_elements(grad.device), 1 << 21),
+    }
     try:
         blocks = [
             partition.block_size_for(flat[s.offset : s.offset + s.numel], s.shape) for s in segs
