@@ -156,11 +156,7 @@ class MoELM(nn.Module):
             if p.dim() >= 2:
                 resid = name.endswith(("o_proj.weight", "down_proj.weight", ".w2"))
                 nn.init.normal_(p, std=resid_std if resid else 0.02)
-        hd = c.dim // c.n_heads
-        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
-        ang = torch.outer(torch.arange(c.seq).float(), inv)
-        self.register_buffer("cos", ang.cos(), persistent=False)
-        self.register_buffer("sin", ang.sin(), persistent=False)
+        tasks.register_rotary(self, c.dim // c.n_heads, c.seq)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

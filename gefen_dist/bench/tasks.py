@@ -124,6 +124,15 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+def register_rotary(module: nn.Module, head_dim: int, seq: int) -> None:
+    """RoPE's cos and sin for positions 0..seq-1 as the module's buffers ``cos`` and ``sin``,
+    which every layer's attention reads (not saved: they follow from the sizes)."""
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    ang = torch.outer(torch.arange(seq).float(), inv)
+    module.register_buffer("cos", ang.cos(), persistent=False)
+    module.register_buffer("sin", ang.sin(), persistent=False)
+
+
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -202,11 +211,7 @@ class Llama(nn.Module):
             if p.dim() == 2:
                 resid = name.endswith(("o_proj.weight", "down_proj.weight"))
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers) if resid else 0.02)
-        hd = dim // n_heads
-        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
-        ang = torch.outer(torch.arange(seq).float(), inv)
-        self.register_buffer("cos", ang.cos(), persistent=False)
-        self.register_buffer("sin", ang.sin(), persistent=False)
+        register_rotary(self, dim // n_heads, seq)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
