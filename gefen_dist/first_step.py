@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .distributed import collectives
 from .method import codebook as cb
 from .method import partition
-from .method.segments import Segment, block_runs, column_chunks
+from .method.segments import Segment, block_runs, column_chunks, tensor_keys
 
 
 @dataclass(frozen=True)
@@ -70,29 +70,24 @@ def initialize(
     owner: list[tuple[int, Hashable]] = []
     for i, item in enumerate(pending):
         row = []
-        for j, seg in enumerate(item.segments):
-            key = seg.name or (i, j)
+        for seg, tensor in zip(item.segments, tensor_keys(item.segments), strict=True):
+            key = tensor if isinstance(tensor, str) else (i, tensor)
             seg_of[key] = seg
             row.append(key)
             if item.copy:
                 continue
             piece = item.grad[seg.offset : seg.offset + seg.numel]
-            requests.append(
-                partition.StatsRequest(
-                    piece,
-                    seg.start,
-                    partition.candidate_block_sizes(seg.shape),
-                    partition.column_period(seg.shape),
-                )
-            )
-            owner.append((i, key))
+            for mp in partition.stats_requests(piece, seg.start, seg.shape):
+                requests.append(mp.request)
+                stat_key = key if mp.matrix is None else partition.MatrixKey(key, mp.matrix)
+                owner.append((i, stat_key))
         keys.append(row)
-    pieces: dict[Hashable, list[partition.TensorStats]] = {k: [] for row in keys for k in row}
+    pieces: dict[Hashable, list[partition.TensorStats]] = {}
     bad = None
     for (i, key), st in zip(owner, partition.stats_of(requests), strict=True):
         if bad is None and not (math.isfinite(st.s1) and math.isfinite(st.s2)):
             bad = pending[i].name()
-        pieces[key].append(st)
+        pieces.setdefault(key, []).append(st)
     if collectives.any_rank(group, bad is not None):
         where = f"in {bad}" if bad is not None else "on another rank"
         raise ValueError(
@@ -100,13 +95,8 @@ def initialize(
             "and codebook from it and will not learn them from inf/NaN (check the loss, or "
             "the AMP grad scaler)"
         )
-    merged = collectives.merge_stats(group, pieces)
-    block_of = {
-        k: partition.choose_block_size(
-            s, seg_of[k].tensor_numel, partition.row_length(seg_of[k].shape)
-        )
-        for k, s in merged.items()
-    }
+    merged = collectives.merge_stats(group, pieces, set(seg_of))
+    block_of = {key: _choose(key, seg, merged) for key, seg in seg_of.items()}
 
     codebooks: dict[int, torch.Tensor] = {}
     new_bits = sorted({item.bits for item in pending} - set(have))
@@ -128,6 +118,35 @@ def initialize(
         for bits in new_bits:
             codebooks[bits] = cb.learn_codebook(counts, bits)
     return Learned([[block_of[k] for k in row] for row in keys], codebooks)
+
+
+def _choose(key: Hashable, seg: Segment, merged: dict[Hashable, partition.TensorStats]) -> int:
+    """The block size of the tensor ``key`` (of which ``seg`` is a piece) from the merged
+    statistics of the whole tensor, or of each of its matrices (``partition.MatrixKey``)."""
+    batch = partition.matrix_batch(seg.shape)
+    if batch is None:
+        return partition.choose_block_size(
+            merged[key], seg.tensor_numel, partition.row_length(seg.shape)
+        )
+    matrices = {
+        k.matrix: st
+        for k, st in merged.items()
+        if isinstance(k, partition.MatrixKey) and k.tensor == key
+    }
+    if len(matrices) != batch.count:
+        raise RuntimeError(
+            f"{seg.name or key}: statistics of {len(matrices)} of its "
+            f"{batch.count} matrices reached the first step"
+        )
+    return partition.choose_batched(matrices, batch)
+
+
+def column_slot(seg: Segment) -> int:
+    """The key under which ``cut_block_absmax`` keeps the whole columns' absmax of a
+    column-blocked segment: -1 for a tensor, -(1 + k) for matrix k of a batch of matrices
+    (whose columns are each matrix's own)."""
+    batch = partition.matrix_batch(seg.shape)
+    return -1 - (seg.start // batch.numel if batch is not None else 0)
 
 
 def cut_block_absmax(
@@ -176,8 +195,9 @@ def cut_block_absmax(
         k = (seg.start + torch.arange(v.numel(), device="cpu")) % period
         cols[k] = host[at : at + v.numel()].float()
         at += v.numel()
-        prev = local.setdefault(key, {}).get(-1)
-        local[key][-1] = cols if prev is None else torch.maximum(prev, cols)
+        slot = column_slot(seg)
+        prev = local.setdefault(key, {}).get(slot)
+        local[key][slot] = cols if prev is None else torch.maximum(prev, cols)
     return collectives.max_cut_absmax(group, local)
 
 
@@ -213,7 +233,7 @@ def bin_segment(
     if block_size == 1:
         return
     if block_size < 0:
-        column_bins(g, seg.start, -block_size, acc, cut.get(-1))
+        column_bins(g, seg.start, -block_size, acc, cut.get(column_slot(seg)))
         return
     for run in block_runs(seg.start, seg.numel, block_size):
         whole = cut.get((seg.start + run.elem) // block_size) if run.length < block_size else None

@@ -35,7 +35,7 @@ from .distributed import collectives, sharding
 from .method import portable, state
 from .method.codes import midpoints
 from .method.hyper import Hyper
-from .method.segments import Segment
+from .method.segments import Segment, by_matrix
 
 BACKENDS = dispatch.BACKENDS
 
@@ -188,7 +188,7 @@ class Gefen(Optimizer):
             raise ValueError(
                 f"segments of {self._name(param)} cover {pos} of {param.numel()} elements"
             )
-        self._segments[param] = sorted(segments, key=lambda s: s.offset)
+        self._segments[param] = by_matrix(sorted(segments, key=lambda s: s.offset))
         self._use_group(group, param)
 
     def _adopt(self) -> None:
@@ -612,7 +612,7 @@ class Gefen(Optimizer):
                 "piece as a tensor of its own, with several times the state)"
             )
         gi, i = self._index(p)
-        return sharding.segments_of(p, key=f"param {gi}.{i}", name=self._name(p))
+        return by_matrix(sharding.segments_of(p, key=f"param {gi}.{i}", name=self._name(p)))
 
     def _index(self, p: torch.Tensor) -> tuple[int, int]:
         for gi, group in enumerate(self.param_groups):

@@ -89,9 +89,11 @@ def test_prime_sizes_give_no_sharing(n):
     assert pt.block_size_for(x) == 1
 
 
-def test_small_and_zero_tensors_give_no_sharing():
+def test_small_tensors_give_no_sharing_and_zero_ones_their_rows():
     assert pt.block_size_for(_rows(8, 256).reshape(-1)[:1024]) == 1  # under MIN_SHARED_NUMEL
-    assert pt.block_size_for(torch.zeros(64, 256)) == 1
+    # an all-zero g0 (a LoRA A whose B is zero): its elements are alike (step 7), so rows
+    assert pt.block_size_for(torch.zeros(64, 256)) == 256
+    assert pt.block_size_for(torch.zeros(64 * 256)) == 1  # one dim: step 6 leaves it alone
     # a constant gradient: nothing in R, but every element alike (step 6)
     assert pt.block_size_for(torch.full((64, 256), 3.0)) == 256
     assert pt.block_size_for(torch.zeros(0)) == 1

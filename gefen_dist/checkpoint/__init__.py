@@ -24,7 +24,7 @@ import torch
 
 from ..integrations import fsdp
 from ..method import portable
-from ..method.segments import Segment
+from ..method.segments import whole_tensor
 
 __all__ = ["consolidate", "gefen_entries", "load_optimizer", "read_dcp"]
 
@@ -91,7 +91,7 @@ def consolidate_entry(entry: Mapping[str, Any], where: str) -> dict[str, torch.T
             "consolidates where its entries are keyed by their tensors' FQNs)"
         )
     (ts,) = tensors.values()
-    return portable.install(tensors, [Segment(0, ts.numel, 0, ts.shape, ts.name)], "cpu")
+    return portable.install(tensors, whole_tensor(ts.shape, ts.name), "cpu")
 
 
 def consolidate(tree: Any) -> tuple[Any, list[str]]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..method import portable
-from ..method.segments import Segment
+from ..method.segments import whole_tensor
 
 __all__ = ["consolidate_zero", "describe_zero", "is_zero_checkpoint"]
 
@@ -51,7 +51,7 @@ def consolidate_zero(path: str | Path, tag: str | None = None) -> tuple[dict, li
             model[alias] = model[name]
     state = {}
     for name, ts in (saved.tensors or {}).items():
-        whole = [Segment(0, ts.numel, 0, ts.shape, name)]
+        whole = whole_tensor(ts.shape, name)
         state[name] = portable.install({name: ts}, whole, torch.device("cpu"))
     groups = [
         {**g, "params": names}

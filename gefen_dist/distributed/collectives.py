@@ -44,18 +44,26 @@ def _gather(group: dist.ProcessGroup, obj: Any) -> list[Any]:
 
 
 def merge_stats(
-    group: dist.ProcessGroup | None, pieces: dict[Hashable, list[partition.TensorStats]]
+    group: dist.ProcessGroup | None,
+    pieces: dict[Hashable, list[partition.TensorStats]],
+    held: set[Hashable],
 ) -> dict[Hashable, partition.TensorStats]:
-    """Partition statistics per tensor; named pieces come from tensors spread over ranks, so
-    every rank's pieces of the same name are merged: every rank then chooses the same block."""
+    """Partition statistics per tensor (or per matrix of a batch, ``partition.MatrixKey``);
+    named pieces come from tensors spread over ranks, so every rank's pieces of a tensor it
+    holds (``held``: its tensors' keys, also those it holds as a copy and has no statistics
+    of) are merged by name: every rank then chooses the same block."""
     if group is not None:
-        named = {k: v for k, v in pieces.items() if isinstance(k, str)}
-        pieces = {k: v for k, v in pieces.items() if not isinstance(k, str)}
+        named = {k: v for k, v in pieces.items() if isinstance(_tensor(k), str)}
+        pieces = {k: v for k, v in pieces.items() if not isinstance(_tensor(k), str)}
         for other in _gather(group, named):
             for k, v in other.items():
-                if k in named:
+                if _tensor(k) in held:
                     pieces.setdefault(k, []).extend(v)
     return {k: partition.merge_stats(v) for k, v in pieces.items()}
+
+
+def _tensor(key: Hashable) -> Hashable:
+    return key.tensor if isinstance(key, partition.MatrixKey) else key
 
 
 def sum_histogram(group: dist.ProcessGroup | None, counts: torch.Tensor) -> torch.Tensor:
@@ -71,8 +79,9 @@ def max_cut_absmax(
     group: dist.ProcessGroup, local: dict[Hashable, dict[int, Any]]
 ) -> dict[Hashable, dict[int, Any]]:
     """The whole block's absmax of each block a shard boundary cuts, from every rank's pieces
-    (``local``: tensor name -> block index -> the piece's absmax; index -1 holds every column's
-    absmax of a column-blocked tensor, as a tensor)."""
+    (``local``: tensor name -> block index -> the piece's absmax; a negative index holds every
+    column's absmax of a column-blocked tensor or matrix, as a tensor:
+    ``first_step.column_slot``)."""
     out: dict[Hashable, dict[int, Any]] = {}
     for other in _gather(group, local):
         for key, blocks in other.items():
@@ -80,7 +89,7 @@ def max_cut_absmax(
                 for b, amax in blocks.items():
                     had = out.setdefault(key, {}).get(b)
                     if had is not None:
-                        amax = torch.maximum(had, amax) if b == -1 else max(had, amax)
+                        amax = torch.maximum(had, amax) if b < 0 else max(had, amax)
                     out[key][b] = amax
     return out
 

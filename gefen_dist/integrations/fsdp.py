@@ -96,7 +96,7 @@ from torch.distributed.fsdp._flat_param import FlatParameter
 
 from ..distributed import sharding
 from ..method import portable
-from ..method.segments import Segment, decode, encode
+from ..method.segments import Segment, decode, encode, whole_tensor
 from ..method.state import STATE_KEYS
 from ..optimizer import Gefen
 
@@ -523,7 +523,7 @@ def _gather_whole(
     if not tensors:
         return None
     (ts,) = tensors.values()
-    return portable.install(tensors, [Segment(0, ts.numel, 0, ts.shape, ts.name)], "cpu")
+    return portable.install(tensors, whole_tensor(ts.shape, ts.name), "cpu")
 
 
 def read_entry(blob: Any, key: str, name: str) -> dict:

@@ -81,6 +81,8 @@ the numbers one process would compute for the whole tensor (see ``merge_stats``)
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,6 +107,41 @@ def chunk_elements(device: torch.device) -> int:
     elements (32 MiB of float64) keep a 1B-parameter first step near 10k chunks instead of
     16 times as many at 256K."""
     return _CHUNK.get(device.type, _DEVICE_CHUNK)
+
+
+@dataclass(frozen=True)
+class MatrixBatch:
+    """A tensor of three or more dims read as ``count`` matrices of ``rows`` x ``cols`` (its
+    last two dims), each partitioned as a 2-D weight of its own (module docstring, "Batches of
+    matrices")."""
+
+    count: int
+    rows: int
+    cols: int
+
+    @property
+    def numel(self) -> int:
+        """Elements of one matrix: the tensor's flat index t lies in matrix t // numel."""
+        return self.rows * self.cols
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+
+def matrix_batch(shape: tuple[int, ...]) -> MatrixBatch | None:
+    """The batch of matrices a tensor of ``shape`` is, or None where it is not one: fewer than
+    three dims, a last dim or a second-to-last under MIN_BLOCK (a 3x3 convolution's kernel), or
+    matrices under MIN_SHARED_NUMEL elements (too small to share v within one)."""
+    if len(shape) < 3:
+        return None
+    rows, cols = shape[-2], shape[-1]
+    if rows < MIN_BLOCK or cols < MIN_BLOCK or rows * cols < MIN_SHARED_NUMEL:
+        return None
+    count = 1
+    for s in shape[:-2]:
+        count *= s
+    return MatrixBatch(count, rows, cols) if count else None
 
 
 def row_length(shape: tuple[int, ...]) -> int:
@@ -412,10 +449,12 @@ def column_heterogeneity(stats: TensorStats, numel: int) -> float:
 
 def spread(stats: TensorStats, numel: int) -> float:
     """c of step 6: the spread of the elements' variances implied by the moments of x = g^2;
-    inf where undefined (no statistics, or an all-zero gradient)."""
+    0 for an all-zero gradient (its elements are alike: step 7), inf where undefined."""
     n = float(numel)
-    if stats.count != n or not stats.s1 > 0.0:
+    if stats.count != n or not stats.s1 >= 0.0:
         return float("inf")
+    if stats.s1 == 0.0:
+        return 0.0
     return (n * stats.s2 / (stats.s1 * stats.s1) - 3.0) / 3.0
 
 
@@ -457,9 +496,66 @@ def _contiguous(stats: TensorStats, numel: int, limit: int = 0) -> tuple[int, fl
     return best, r_best
 
 
+def choose_batched(matrices: Mapping[int, TensorStats], batch: MatrixBatch) -> int:
+    """One block size for a batch of matrices from each matrix's merged statistics (keyed by
+    its index): each matrix's own choice (``choose_block_size`` on its (rows, cols)), the most
+    common among the matrices whose g0 is not all zero, the larger block on a tie. An all-zero
+    matrix (an expert no token reached) abstains and takes the others' choice; a tensor whose
+    every matrix is zero takes one matrix's all-zero choice, its rows (step 7)."""
+    votes: Counter[int] = Counter()
+    for stats in matrices.values():
+        if stats.s1 > 0.0:
+            votes[choose_block_size(stats, batch.numel, batch.cols)] += 1
+    if not votes:
+        zero = TensorStats(candidate_block_sizes(batch.shape), count=float(batch.numel))
+        return choose_block_size(zero, batch.numel, batch.cols)
+    return max(votes, key=lambda b: (votes[b], batch.rows if b < 0 else b))
+
+
+def stats_requests(grad: torch.Tensor, start: int, shape: tuple[int, ...]) -> list[MatrixPiece]:
+    """The statistics requests of a tensor's piece ``grad`` (flat, from flat index ``start``):
+    one for the piece, or one per matrix it touches where the tensor is a batch of matrices,
+    each in that matrix's own coordinates."""
+    batch = matrix_batch(shape)
+    if batch is None:
+        req = StatsRequest(grad, start, candidate_block_sizes(shape), column_period(shape))
+        return [MatrixPiece(None, req)]
+    cands, period = candidate_block_sizes(batch.shape), column_period(batch.shape)
+    size = batch.numel
+    out = []
+    at, end = start, start + grad.numel()
+    while at < end:
+        k = at // size
+        hi = min(end, (k + 1) * size)
+        piece = grad[at - start : hi - start]
+        out.append(MatrixPiece(k, StatsRequest(piece, at - k * size, cands, period)))
+        at = hi
+    return out
+
+
+@dataclass(frozen=True)
+class MatrixPiece:
+    """A statistics request and the matrix of a batch it reads (None: the whole tensor)."""
+
+    matrix: int | None
+    request: StatsRequest
+
+
+@dataclass(frozen=True)
+class MatrixKey:
+    """The statistics of matrix ``matrix`` of the batch-of-matrices tensor ``tensor`` (the
+    first step's key of the tensor: its name where it is spread over ranks)."""
+
+    tensor: Hashable
+    matrix: int
+
+
 def block_size_for(grad: torch.Tensor, shape: tuple[int, ...] | None = None) -> int:
     """Block size for a whole tensor from its first gradient, in one process."""
     shape = tuple(grad.shape) if shape is None else tuple(shape)
-    cands = candidate_block_sizes(shape)
-    stats = segment_stats(grad, 0, cands, column_period(shape))
-    return choose_block_size(stats, grad.numel(), row_length(shape))
+    pieces = stats_requests(grad.reshape(-1), 0, shape)
+    stats = stats_of([p.request for p in pieces])
+    batch = matrix_batch(shape)
+    if batch is not None:
+        return choose_batched({p.matrix: st for p, st in zip(pieces, stats, strict=True)}, batch)
+    return choose_block_size(stats[0], grad.numel(), row_length(shape))

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .codes import midpoints, quantize, read_codes, write_codes
-from .segments import Segment, num_blocks
+from .segments import Segment, num_blocks, whole_tensor
 from .state import (
     allocate,
     bits_of,
@@ -354,6 +354,26 @@ def _pieces_of(start: int, numel: int, block_size: int) -> list[tuple[int, int]]
     return out
 
 
+def saved_whole(
+    saved: dict[str, torch.Tensor], shape: tuple[int, ...], name: str
+) -> list[Segment] | None:
+    """The segments of a state saved for a whole tensor of ``shape`` (one process, or a
+    consolidated checkpoint), read from its layout: ``whole_tensor``'s, or the one segment that
+    gefen_dist kept for a batch of matrices before it cut them by matrix (``docs/history.md``);
+    None where the layout is neither."""
+    layout = saved.get("layout")
+    if not isinstance(layout, torch.Tensor) or layout.dim() != 2 or layout.shape[1] < 3:
+        return None
+    rows = [tuple(r[:3]) for r in layout.tolist()]
+    cut = whole_tensor(shape, name)
+    if rows == [(s.offset, s.numel, s.start) for s in cut]:
+        return cut
+    total = cut[-1].start + cut[-1].numel if cut else 0
+    if rows == [(0, total, 0)]:
+        return [Segment(0, total, 0, tuple(shape), name)]
+    return None
+
+
 def fit(saved: dict[str, torch.Tensor], segments: list[Segment], bits: int, name: str) -> dict:
     """``saved`` (one parameter's state, as ``Gefen.state_dict`` wrote it) for this parameter's
     ``segments``: as it is where it was saved for the same layout; re-cut where it was saved
@@ -367,19 +387,28 @@ def fit(saved: dict[str, torch.Tensor], segments: list[Segment], bits: int, name
     if rows == [(s.offset, s.numel, s.start) for s in segments]:
         return saved
     tensors = {s.shape for s in segments if s.numel}
-    if len(tensors) != 1 or len(rows) != 1:
+    if len(tensors) != 1:
         return saved
     (shape,) = tensors
-    whole = Segment(0, 1, 0, shape).tensor_numel
-    if rows[0] != (0, whole, 0):
-        return saved
     key = name or "tensor"
+    saved_layout = saved_whole(saved, shape, key)
+    if saved_layout is None:
+        return saved
     mine = [Segment(s.offset, s.numel, s.start, s.shape, key) for s in segments]
-    saved_layout = [Segment(0, whole, 0, shape, key)]
     check_loaded(saved, saved_layout, bits, name)
     parts = export(saved, saved_layout)
     device = saved["codes"].device if isinstance(saved.get("codes"), torch.Tensor) else "cpu"
     return install(merge(parts), mine, torch.device(device))
 
 
-__all__ = ["Piece", "TensorState", "describe", "export", "fit", "install", "merge", "restore"]
+__all__ = [
+    "Piece",
+    "TensorState",
+    "describe",
+    "export",
+    "fit",
+    "install",
+    "merge",
+    "restore",
+    "saved_whole",
+]

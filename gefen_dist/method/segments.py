@@ -14,9 +14,11 @@ per column it holds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .partition import matrix_batch
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,63 @@ def column_chunks(numel: int, period: int, max_elems: int) -> Iterator[tuple[int
             yield a, whole, period
         if b > whole:
             yield whole, b, b - whole
+
+
+def by_matrix(segments: Iterable[Segment]) -> list[Segment]:
+    """``segments`` cut where the matrices of a batch-of-matrices tensor meet
+    (``partition.matrix_batch``: grouped expert weights), so that every segment lies in one
+    matrix. Why: a segment's column blocks hold its elements i = k mod P, and the columns of a
+    batch are one matrix's (partition, "Batches of matrices"); cut so, the state, the kernels,
+    the checkpoints and the elastic reload treat each piece as they treat any segment. A
+    function of the shapes alone, so every rank and every reload cuts alike."""
+    out: list[Segment] = []
+    for seg in segments:
+        batch = matrix_batch(seg.shape)
+        if batch is None or seg.numel == 0:
+            out.append(seg)
+            continue
+        size = batch.numel
+        at, end = seg.start, seg.start + seg.numel
+        while at < end:
+            hi = min(end, (at // size + 1) * size)
+            out.append(Segment(seg.offset + at - seg.start, hi - at, at, seg.shape, seg.name))
+            at = hi
+    return out
+
+
+def whole_tensor(shape: tuple[int, ...], name: str = "") -> list[Segment]:
+    """The segments one process keeps for a whole tensor of ``shape`` (a plain parameter, a
+    consolidated checkpoint's entry): one, or one per matrix of a batch (``by_matrix``)."""
+    total = 1
+    for s in shape:
+        total *= s
+    return by_matrix([Segment(0, total, 0, tuple(shape), name)])
+
+
+def tensor_keys(segments: Sequence[Segment]) -> list[Hashable]:
+    """Which tensor each segment of one buffer (in offset order) is a piece of: its name, or,
+    unnamed, the index of the first segment of its run, where ``by_matrix`` cut one unnamed
+    piece into several (same shape, each continuing the last in the buffer and the tensor).
+    The first step chooses one block size per tensor, and ``state.cross_column`` keeps one
+    v_cross per tensor, by these keys."""
+    out: list[Hashable] = []
+    for k, seg in enumerate(segments):
+        prev = segments[k - 1] if k else None
+        if seg.name:
+            out.append(seg.name)
+        elif (
+            prev is not None
+            and not prev.name
+            and prev.shape == seg.shape
+            and seg.start > 0
+            and seg.start == prev.start + prev.numel
+            and seg.offset == prev.offset + prev.numel
+            and matrix_batch(seg.shape) is not None
+        ):
+            out.append(out[-1])
+        else:
+            out.append(k)
+    return out
 
 
 def plain_segments(numel: int, shape: tuple[int, ...], name: str = "") -> list[Segment]:

@@ -38,8 +38,8 @@ import torch
 
 from . import load_check
 from .codes import code_bytes
-from .partition import MAX_BLOCK
-from .segments import Segment, num_blocks
+from .partition import MAX_BLOCK, matrix_batch
+from .segments import Segment, num_blocks, tensor_keys
 
 STATE_KEYS = load_check.KEYS
 CROSS_FLOOR = 1e-2
@@ -114,16 +114,18 @@ def bits_of(codebook: torch.Tensor) -> int:
 
 def cross_column(segments: list[Segment], block_sizes: list[int]) -> list[int]:
     """The layout's v_cross column: each segment's entries, or -(k + 1) where segment k of the
-    same buffer holds a piece of the same tensor (same name, shape and block size) and with it
-    the copy both use. The factor is the tensor's, so pieces of one tensor in one buffer need
-    one copy: a row-sharded tensor-parallel weight is a segment per row, and a copy per row
+    same buffer holds a piece of the same tensor (``segments.tensor_keys``, same shape and
+    block size) and with it the copy both use. The factor is the tensor's, so pieces of one
+    tensor in one buffer need one copy: a row-sharded tensor-parallel weight is a segment per
+    row, a batch of matrices one per matrix (``segments.by_matrix``), and a copy per piece
     would cost more than AdamW's state."""
     first: dict[tuple, int] = {}
     out = []
+    tensors = tensor_keys(segments)
     for k, (seg, bs) in enumerate(zip(segments, block_sizes, strict=True)):
         n = _cross_entries(seg, bs)
-        key = (seg.name, tuple(seg.shape), bs)
-        if n and seg.name:
+        key = (tensors[k], tuple(seg.shape), bs)
+        if n:
             have = first.setdefault(key, k)
             if have != k:
                 n = -(have + 1)
@@ -366,8 +368,11 @@ def check_loaded(state: dict, segments: list[Segment], bits: int, name: str) -> 
     blocks = [r.block for r in rows]
     for seg, bs in zip(segments, blocks, strict=True):
         row = seg.tensor_numel // seg.shape[0] if len(seg.shape) > 1 and seg.shape[0] else 0
-        if not (1 <= bs <= MAX_BLOCK or (bs < 0 and -bs == row)):
-            columns = f", or -{row} for its columns" if row else ""
+        batch = matrix_batch(seg.shape)
+        periods = sorted({row, batch.cols} if batch is not None else {row})
+        if not (1 <= bs <= MAX_BLOCK or (bs < 0 and row and -bs in periods)):
+            allowed = " or ".join(f"-{p}" for p in periods)
+            columns = f", or {allowed} for its columns" if row else ""
             raise ValueError(
                 f"{where}: its 'layout' gives block size {bs} for a tensor of shape "
                 f"{seg.shape} (must be 1 to {MAX_BLOCK}{columns})"

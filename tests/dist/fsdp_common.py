@@ -21,6 +21,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from gefen_dist import Gefen
 from gefen_dist.demo.model import GPT, Block, GPTConfig
+from gefen_dist.method.partition import matrix_batch
 
 torch.set_num_threads(1)
 
@@ -97,13 +98,19 @@ def cut_blocks(opt: Gefen) -> int:
     """Blocks that a shard boundary cuts on this rank: each piece keeps its own v and absmax."""
     n = 0
     for p, st in opt.state.items():
-        whole = {s.offset: s.tensor_numel for s in opt.segments_of(p)}
+        # a column block lies in one matrix of a batch of matrices (partition.matrix_batch)
+        whole = {s.offset: _matrix_numel(s) for s in opt.segments_of(p)}
         for offset, numel, start, bs, _ in st["layout"].tolist():
             if bs > 1 and numel:
                 n += int(start % bs != 0) + int((start + numel) % bs != 0)
             elif bs < 0 and 0 < numel < whole[offset]:  # a piece of a column is its own block
                 n += min(numel, -bs)
     return n
+
+
+def _matrix_numel(seg) -> int:
+    batch = matrix_batch(seg.shape)
+    return batch.numel if batch is not None else seg.tensor_numel
 
 
 def padding(opt: Gefen) -> int:

@@ -13,10 +13,10 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from ...method import portable
-from ...method.segments import Segment
+from ...method.segments import whole_tensor
 from ...method.state import bits_of, check_loaded
 from .binding import Binding, stepped
-from .layouts import numel, param_names
+from .layouts import param_names
 from .meta import META_KEY
 from .recut import install_tensors
 
@@ -118,10 +118,10 @@ def load_optimizer_state(engine: DeepSpeedEngine, state_dict: dict[str, Any]) ->
     parts = []
     for name, st in entries.items():
         shape = shapes[name]
-        seg = Segment(0, numel(shape), 0, shape, name)
+        segs = portable.saved_whole(st, shape, name) or whole_tensor(shape, name)
         try:
-            check_loaded(st, [seg], bits_of(st["codebook"]), name)
-            parts += portable.export(st, [seg])
+            check_loaded(st, segs, bits_of(st["codebook"]), name)
+            parts += portable.export(st, segs)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
                 f"load_optimizer_state: {name} ({shape}) does not fit its state: {e}"
