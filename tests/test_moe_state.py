@@ -176,3 +176,36 @@ def test_a_grouped_state_reloads_and_steps_bit_for_bit():
         _step(twin, opt2, _tokens(8, 33, 10 + s))
     for (n, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_a_state_saved_before_matrices_were_cut_loads_and_steps_bit_for_bit():
+    """A checkpoint from before ``by_matrix`` holds one segment for a grouped weight; loaded, it
+    is re-cut at each matrix (``portable.saved_whole``) and steps as the state it was made from.
+    Made here from a contiguous-blocked tensor (the old rule's choices were contiguous or B = 1
+    on the rows-last experts), by installing its exported state into one whole segment."""
+    from gefen_dist.method import portable
+
+    model = _model("grouped")
+    opt = Gefen(model.parameters(), lr=1e-3, bits=4)
+    _step(model, opt, _tokens(8, 33))
+    w1 = model.layers[0].moe.w1
+    st = opt.state[w1]
+    assert int(st["layout"][0, 3]) > 1 and len(st["layout"]) == 8
+    osd = copy.deepcopy(opt.state_dict())
+    pid = next(i for i, p in enumerate(model.parameters()) if p is w1)
+    segs = opt.segments_of(w1)
+    named = [Segment(s.offset, s.numel, s.start, s.shape, "w1") for s in segs]
+    tensors = portable.merge(portable.export(st, named))
+    old = portable.install(tensors, [Segment(0, w1.numel(), 0, tuple(w1.shape), "w1")], "cpu")
+    assert len(old["layout"]) == 1
+    osd["state"][pid] = old
+    twin = _model("grouped", seed=1)
+    twin.load_state_dict(model.state_dict())
+    opt2 = Gefen(twin.parameters(), lr=1e-3, bits=4)
+    opt2.load_state_dict(osd)
+    assert torch.equal(opt2.state[twin.layers[0].moe.w1]["layout"], st["layout"])
+    for s in range(3):
+        _step(model, opt, _tokens(8, 33, 20 + s))
+        _step(twin, opt2, _tokens(8, 33, 20 + s))
+    for (n, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b), n

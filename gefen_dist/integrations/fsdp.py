@@ -96,7 +96,7 @@ from torch.distributed.fsdp._flat_param import FlatParameter
 
 from ..distributed import sharding
 from ..method import portable
-from ..method.segments import Segment, decode, encode, whole_tensor
+from ..method.segments import Segment, by_matrix, decode, encode, whole_tensor
 from ..method.state import STATE_KEYS
 from ..optimizer import Gefen
 
@@ -544,10 +544,10 @@ def read_entry(blob: Any, key: str, name: str) -> dict:
 
 
 def merge_entries(
-    payloads: list[dict], codebook: torch.Tensor | None, name: str
+    payloads: list[dict], codebook: torch.Tensor | None, name: str, whole: bool = True
 ) -> dict[str, portable.TensorState]:
     """Every tensor whose pieces the payloads hold, put together (``portable.merge``); each
-    must be whole. Empty where no rank had stepped the parameter. Entries of ranks holding
+    must be whole unless ``whole`` is False (one rank's own pieces, re-cut in place). Empty where no rank had stepped the parameter. Entries of ranks holding
     copies of other ranks' pieces (a tensor Replicate on tp, ``sharding.is_copy``) are left
     out: their pieces are there once already."""
     parts = []
@@ -562,7 +562,7 @@ def merge_entries(
         segs = decode(pl["segments"])
         parts += portable.export(st, segs)
     tensors = portable.merge(parts)
-    for ts in tensors.values():
+    for ts in tensors.values() if whole else ():
         gaps = ts.missing()
         if gaps:
             raise ValueError(f"Gefen state for {name}: no rank holds elements {gaps} of {ts.name}")
@@ -721,6 +721,11 @@ def _decode(
             "loader kept this rank's own value (gefen_dist.integrations.fsdp)"
         )
     saved = decode(payload["segments"])
+    if saved != list(segs) and by_matrix(saved) == list(segs) and saved_step is not None:
+        # saved before batches of matrices were cut at each matrix (docs/history.md): the
+        # same elements, re-cut from this rank's own piece
+        tensors = merge_entries([payload], entry.get("codebook"), name, whole=False)
+        return portable.install(tensors, segs, torch.device("cpu"))
     if saved != list(segs):
         rows = [tuple(r) for r in encode(saved)]
         here = [tuple(r) for r in encode(segs)]

@@ -39,6 +39,22 @@ The rule, exactly:
    a candidate). Tensors of one dim (norm gains, biases: sensitive, and a few thousand elements
    a layer) keep B = 1.
 
+7. All-zero: a tensor whose g0 is all zero (a LoRA A whose B is zero at step 1) gives steps 2-5
+   nothing to read, and its elements are alike (c = 0: every variance the same), so step 6
+   applies: rows, for a tensor of at least two dims.
+
+Batches of matrices: a tensor of three or more dims whose last two dims are each at least
+MIN_BLOCK and whose matrices (its last two dims) hold at least MIN_SHARED_NUMEL elements is S
+matrices (S = the product of the leading dims: experts, stacked heads; ``matrix_batch``). Each
+matrix is partitioned by steps 1-7 as the 2-D tensor it is, from its own statistics (merged over
+ranks per matrix); the tensor takes the choice of most of its matrices, the larger block on a
+tie, where a matrix whose g0 is all zero (an expert no token reached) abstains; all of them zero,
+step 7 on one matrix (``choose_batched``). So no block spans two matrices, and column blocks are
+a matrix's columns: ``segments.by_matrix`` cuts the tensor's segments where matrices meet.
+Why: read as one tensor, a grouped expert weight (E, r, c) has rows of whole experts, and its
+only column candidate holds one element per expert; an expert's down projection, whose g0
+varies along its input axis, then fell back to B = 1 (``research/moe_partition.md``).
+
 Why step 6: the fallback to B = 1 protects elements that differ in ways no block follows, but
 R cannot tell those from elements that do not differ at all: i.i.d. noise of one variance has
 R = 1 too. The suite's 3x3 convolutions behind BatchNorm (c = 0.09-0.33 over seeds) and the q/k
