@@ -1,6 +1,8 @@
-"""Grouped expert weights under FSDP2 and FSDP1 on 2 gloo ranks, against one process.
+"""Grouped expert weights under FSDP2 and FSDP1 on 2 gloo ranks, and expert parallel on 4, against
+one process.
 
-One torchrun launch (``tests/dist/moe_layouts.py``). FSDP2 gives each rank whole experts; FSDP1's
+Two torchrun launches: ``tests/dist/moe_layouts.py`` (2 ranks) and ``tests/dist/moe_ep.py`` (4
+ranks, torchtitan's expert-parallel layout). FSDP2 gives each rank whole experts; FSDP1's
 flat shard cuts an expert's matrix, so the per-matrix statistics, the per-matrix column absmax
 and the cut of segments at each matrix all meet pieces held by two ranks. Tolerances are
 ``tests/test_fsdp.py``'s and ``tests/test_elastic.py``'s, for the same reasons:
@@ -29,6 +31,13 @@ FIRST_TOL, NEW_WORLD_TOL, CUT_LOSS_TOL = 1e-6, 5e-4, 2e-3
 
 
 @pytest.fixture(scope="module")
+def ep(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe_ep")
+    torchrun("moe_ep.py", str(d), nproc=4, timeout=600)
+    return d, read_results(d, ranks=4)
+
+
+@pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe")
     torchrun("moe_layouts.py", str(d), timeout=600)
@@ -36,7 +45,7 @@ def runs(tmp_path_factory):
 
 
 def _experts(blocks: dict[str, int]) -> dict[str, int]:
-    return {n: b for n, b in blocks.items() if ".moe.w" in n}
+    return {n: b for n, b in blocks.items() if n.rsplit(".", 1)[-1] in ("w1", "w2", "w3")}
 
 
 @pytest.mark.parametrize("setup", ["fsdp2", "fsdp1_flat"])
@@ -94,4 +103,65 @@ def test_a_consolidated_checkpoint_resumes_in_one_process(runs, tmp_path):
         opt.step()
         losses.append(loss.item())
     drift = resume_drift(ranks[0]["fsdp2/split"]["losses"], losses, SAVE_AT)
+    assert drift[0] <= FIRST_TOL and max(drift) <= NEW_WORLD_TOL, drift
+
+
+def test_expert_parallel_chooses_the_single_process_blocks_and_one_codebook(ep):
+    """torchtitan's layout: experts (_StridedShard(0), Shard(0)) on (dp_mod_ep, ep), the rest
+    FSDP2 on the flattened dp mesh, in one Gefen with no extra call. Data parallel, so the
+    codebook is held to being one on all ranks (tests/test_fsdp.py: why not to the bit)."""
+    _, ranks = ep
+    ref = ranks[0]["ref"]
+    experts = _experts(ref["blocks"])
+    assert len(experts) == 6 and 1 not in experts.values()
+    for r in ranks:
+        assert r["ep"]["placements"] == ["_S(0, 2)", "S(0)"]
+        assert r["ep"]["blocks"] == ref["blocks"]
+        assert r["ep"]["codebooks"] == ranks[0]["ep"]["codebooks"]
+        assert len(r["ep"]["codebooks"]) == 1
+    # each rank holds 2 whole experts of 8, one segment each, blocked by their own columns:
+    # rank 1 (dp_mod_ep 0, ep 1) experts 4 and 5 (ep 1's half, dp_mod_ep 0's quarter of it)
+    assert [row[1:4] for row in ranks[1]["ep"]["w2_layout"]] == [
+        [5120, 4 * 5120, -80],
+        [5120, 5 * 5120, -80],
+    ]
+
+
+def test_expert_parallel_follows_the_single_process(ep):
+    _, ranks = ep
+    ref, got = ranks[0]["ref"]["losses"], ranks[0]["ep"]["losses"]
+    assert abs(got[0] - ref[0]) / ref[0] <= FIRST_TOL  # the same model, computed in parts
+    drift = max(abs(a - b) for a, b in zip(got, ref, strict=True))
+    assert drift <= CUT_LOSS_TOL, drift
+
+
+def test_expert_parallel_resumes_from_dcp_bit_for_bit(ep):
+    _, ranks = ep
+    run = ranks[0]["ep"]
+    save_at = len(run["losses"]) - len(run["resumed"])
+    assert run["resumed"] == run["losses"][save_at:]
+
+
+def test_an_expert_parallel_checkpoint_resumes_in_one_process(ep, tmp_path):
+    sys.path.insert(0, str(DIST))
+    from moe_ep import BITS, SAVE_AT, STEPS, batch, build, loss_of
+
+    d, ranks = ep
+    whole = tmp_path / "whole.pt"
+    cmd = [sys.executable, "-m", "gefen_dist.checkpoint", "consolidate", str(d / "dcp"), str(whole)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    tree = torch.load(whole, weights_only=True)
+    model = build()
+    model.load_state_dict(tree["model"])
+    opt = Gefen(model.parameters(), bits=BITS, lr=3e-3, weight_decay=0.1)
+    checkpoint.load_optimizer(opt, model, tree["optim"])
+    losses = []
+    for s in range(SAVE_AT, STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, batch(s))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    drift = resume_drift(ranks[0]["ep"]["losses"], losses, SAVE_AT)
     assert drift[0] <= FIRST_TOL and max(drift) <= NEW_WORLD_TOL, drift
