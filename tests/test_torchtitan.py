@@ -12,7 +12,8 @@ How close, and why (``tests/dist/torchtitan_ckpt.py``: the uneven ``Odd`` model 
   through torchtitan's own ``CheckpointManager``.
 - At another world size (``GefenCheckpointManager``) the pieces of blocks that the shard
   boundaries cut are merged and cut again (``method.portable``) and the gradient average rounds
-  differently: measured 1.9e-4 (2 -> 1); bound 5e-4, ``tests/test_fsdp_elastic.py``'s.
+  differently: measured 2.4e-5 (2 -> 4), 1.5e-4 (1 -> 2), 1.9e-4 (2 -> 1); bound 5e-4,
+  ``tests/test_fsdp_elastic.py``'s.
 - torchtitan's own ``CheckpointManager`` at another world size loads only the loading rank's
   keys, and Gefen refuses, naming the saved ranks it lacks.
 """
