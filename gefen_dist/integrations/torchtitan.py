@@ -20,8 +20,8 @@ carries Gefen's state through torchtitan's flat, FQN-keyed optimizer state dict.
 torchtitan's ``load_flat_optim_state_dict`` asks the live optimizer which state names to look up
 (``state.{fqn}.{name}`` for each name in ``optim.state[p]``). Under FSDP2 Gefen's state dict
 holds, per parameter, this rank's state as one ``gefen.rank{r}`` entry (``integrations.fsdp``),
-not the live names (codes, v, ...), so the stock container would load the step and codebook and
-drop the state itself. For Gefen's optimizers this container reads back every key saved under a
+not the live names (codes, v, ...), so the stock loader would find the step and codebook only,
+not the state itself. For Gefen's optimizers this container reads back every key saved under a
 parameter's prefix; for the others it is torchtitan's.
 
 Checkpoints. torchtitan's ``CheckpointManager`` saves ``{"optimizer": container, ...}`` with
