@@ -51,15 +51,37 @@ def read_dcp(path: str | Path, prefix: str = "") -> dict[str, Any]:
         return _load_state_dict_from_keys(keys, checkpoint_id=str(path))
 
 
+def _flat_groups(tree: Mapping) -> dict[str, dict[str, Any]]:
+    """A flat dict's Gefen entries by parameter: torchtitan's optimizer container keeps each
+    parameter's state under keys ``state.{fqn}.{name}`` of one dict
+    (``state.fc.weight.gefen.rank0``), not as a nested dict per parameter. Keyed by
+    ``state.{fqn}``, each with the names under it."""
+    heads = {
+        k[: k.index("." + _RANK_PREFIX)]
+        for k in tree
+        if isinstance(k, str) and ("." + _RANK_PREFIX) in k
+    }
+    out: dict[str, dict[str, Any]] = {h: {} for h in heads}
+    for k, v in tree.items():
+        for h in heads:
+            if isinstance(k, str) and k.startswith(h + "."):
+                out[h][k[len(h) + 1 :]] = v
+                break
+    return out
+
+
 def gefen_entries(tree: Any, where: str = "") -> list[tuple[str, dict]]:
     """Every parameter entry holding Gefen per-rank state in a nested checkpoint dict, with its
-    path ('optim.state.fc.weight')."""
+    path ('optim.state.fc.weight'), also in flat dicts (``_flat_groups``)."""
     out = []
     if isinstance(tree, Mapping):
         if any(isinstance(k, str) and k.startswith(_RANK_PREFIX) for k in tree):
             return [(where, tree)]
+        for head, entry in _flat_groups(tree).items():
+            out.append((f"{where}.{head}" if where else head, entry))
         for k, v in tree.items():
-            out += gefen_entries(v, f"{where}.{k}" if where else str(k))
+            if isinstance(v, Mapping):
+                out += gefen_entries(v, f"{where}.{k}" if where else str(k))
     return out
 
 
@@ -105,7 +127,16 @@ def consolidate(tree: Any) -> tuple[Any, list[str]]:
         if any(isinstance(k, str) and k.startswith(_RANK_PREFIX) for k in t):
             done.append(where)
             return consolidate_entry(t, where) or {}
-        return {k: walk(v, f"{where}.{k}" if where else str(k)) for k, v in t.items()}
+        flat = _flat_groups(t)
+        out = {k: walk(v, f"{where}.{k}" if where else str(k)) for k, v in t.items()}
+        for head, entry in flat.items():  # a flat dict's entries stay flat (torchtitan's)
+            path = f"{where}.{head}" if where else head
+            done.append(path)
+            for name in entry:
+                del out[f"{head}.{name}"]
+            whole = consolidate_entry(entry, path) or {}
+            out.update({f"{head}.{name}": value for name, value in whole.items()})
+        return out
 
     return walk(tree, ""), done
 
