@@ -13,6 +13,10 @@ from a generator seeded from the seed alone, so every optimizer sees the same in
 same data order for a given seed. Validation data is fixed (the same for every seed).
 Sizes are set so that the whole suite (5 tasks x 9 optimizers x 3 seeds) fits in about an
 hour on two cores; ``scale`` shrinks the step counts for a smoke run.
+
+Other modules add tasks with ``register``: ``gefen_dist.bench.moe`` adds the mixture-of-experts
+LM in its four expert storages (``moe``, ``moe_linear``, ``moe_transposed``, ``moe_fused``).
+They run when named (``--tasks``); ``DEFAULT_TASKS`` stays the five above.
 """
 
 from __future__ import annotations
