@@ -279,8 +279,8 @@ def dense() -> None:
     from gefen_dist.demo.model import GPT, GPTConfig
 
     models = {"demo GPT": GPT(GPTConfig(block_size=64))}
-    for name, task in tasks.TASKS.items():
-        models[name] = tasks.build(task, 0).model
+    for name in tasks.DEFAULT_TASKS:
+        models[name] = tasks.build(tasks.TASKS[name], 0).model
     for mname, m in models.items():
         many = [(n, tuple(p.shape)) for n, p in m.named_parameters() if p.dim() >= 3]
         taken = [(n, s) for n, s in many if batched_gate(s)]

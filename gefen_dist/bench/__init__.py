@@ -1,0 +1,10 @@
+"""The comparison suite (``python -m gefen_dist.bench``).
+
+The MoE LM tasks are defined in ``moe``, which imports ``tasks``; registering them here (rather
+than ``tasks`` importing ``moe``) keeps the imports one way, and every process that imports the
+suite (the command line, its worker subprocesses, the tests) sees them in ``tasks.TASKS``.
+"""
+
+from gefen_dist.bench import moe as _moe
+
+_moe.register_tasks()

@@ -26,7 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="JSONL store (default OUT/runs.jsonl); done runs are skipped",
     )
-    p.add_argument("--tasks", default=",".join(tasks.TASKS))
+    p.add_argument(
+        "--tasks",
+        default=",".join(tasks.DEFAULT_TASKS),
+        help=f"comma list (default {','.join(tasks.DEFAULT_TASKS)}; also known: "
+        f"{','.join(t for t in tasks.TASKS if t not in tasks.DEFAULT_TASKS)})",
+    )
     p.add_argument("--optimizers", default=None, help="comma list (default: all peers)")
     p.add_argument(
         "--seeds",

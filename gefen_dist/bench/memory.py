@@ -1,4 +1,5 @@
-"""Optimizer state, in GiB, of GPT-2 124M-1.5B and Llama-3 1B/8B, for Gefen and every peer.
+"""Optimizer state, in GiB, of GPT-2 124M-1.5B, Llama-3 1B/8B and the mixture of experts
+Qwen1.5-MoE-A2.7B, for Gefen and every peer.
 
 Why measured this way: the peers' state depends only on shapes (and, for Adam-mini, on names
 and heads), but Gefen's depends on the block size its partition picks from a real first
@@ -26,6 +27,24 @@ row chunks of tensors over ``CHUNK_NUMEL`` elements (exact for per-element and f
 one chunk is stepped and counted K times); torchao's update arithmetic is skipped
 (its state is allocated by its own ``step()`` before the update; eager torchao on CPU takes ~1 s
 per million elements). Each model runs in its own subprocess; its peak RSS is reported.
+
+The MoE row, ``qwen1.5-moe-a2.7b``, has the shapes of Qwen's Qwen1.5-MoE-A2.7B as its
+published ``config.json`` (Hugging Face ``Qwen/Qwen1.5-MoE-A2.7B``, model type ``qwen2_moe``)
+gives them: hidden size 2048, 24 layers, every one sparse (``decoder_sparse_step`` 1), 16
+attention heads and 16 key/value heads (head dim 128) with q/k/v biases, 60 routed experts of
+SwiGLU width 1408 (``moe_intermediate_size``), top 4 without renormalisation
+(``norm_topk_prob`` false), one shared SwiGLU expert of width 5632
+(``shared_expert_intermediate_size``) scaled by a sigmoid gate (a (1, 2048) weight), a router
+(60, 2048), vocabulary 151936, input embedding and head untied. That is 14,315,784,192
+parameters, the model card's "14.3B parameters in total". Its routed experts are stored as
+torchtitan's ``GroupedExperts`` store them, one 3-D weight per projection and layer: ``w1`` /
+``w3`` (60, 1408, 2048) and ``w2`` (60, 2048, 1408), 519M of each layer's 571M parameters
+(Hugging Face keeps a ``ModuleList`` or a fused (E, 2F, D) weight instead; the grouped layout
+is the one large MoE trainings shard). One layer is built at full width with all 60 experts
+(571M parameters, 2.3 GB in fp32, with the 2 x 311M vocabulary matrices: fits 24 GiB), its
+first gradient comes from one real forward/backward as for the dense models (the top-4 routing
+of 2 x 128 tokens: an expert that no token reaches has an all-zero first gradient slice, as in
+a user's first step), and layer 0 is multiplied by 24 like every other model's.
 """
 
 from __future__ import annotations
@@ -55,7 +74,8 @@ PAPER = {"gpt2-1.5b": {"adamw": 11.2, "gefen": 1.5}}
 
 @dataclass(frozen=True)
 class Shape:
-    """A model's shapes; ``kind`` is ``gpt2`` (fused qkv, tied, learned positions) or ``llama``."""
+    """A model's shapes; ``kind`` is ``gpt2`` (fused qkv, tied, learned positions), ``llama`` or
+    ``moe`` (``QwenMoE``: Qwen2-MoE with routed experts grouped as torchtitan stores them)."""
 
     name: str
     kind: str
@@ -67,6 +87,13 @@ class Shape:
     ffn: int = 0
     tied: bool = True
     ctx: int = 1024
+    n_experts: int = 0
+    """``kind`` ``moe``: routed experts per layer, each a SwiGLU of width ``expert_ffn``."""
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    """``kind`` ``moe``: the shared expert's SwiGLU width (0: none)."""
+    qkv_bias: bool = False
 
 
 MODELS: dict[str, Shape] = {
@@ -78,8 +105,164 @@ MODELS: dict[str, Shape] = {
         Shape("gpt2-1.5b", "gpt2", 1600, 48, 25, 50257),
         Shape("llama3-1b", "llama", 2048, 16, 32, 128256, 8, 8192, True),
         Shape("llama3-8b", "llama", 4096, 32, 32, 128256, 8, 14336, False),
+        Shape(
+            "qwen1.5-moe-a2.7b",
+            "moe",
+            2048,
+            24,
+            16,
+            151936,
+            n_kv_head=16,
+            tied=False,
+            n_experts=60,
+            top_k=4,
+            expert_ffn=1408,
+            shared_ffn=5632,
+            qkv_bias=True,
+        ),
     )
 }
+
+
+class _SwiGLU(nn.Module):
+    """A dense SwiGLU with Hugging Face's names (the shared expert)."""
+
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's storage: ``w1`` / ``w3`` (E, F, D), ``w2`` (E, D, F); expert e computes
+    ``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))``."""
+
+    def __init__(self, d: int, f: int, n: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, f, d))
+        self.w3 = nn.Parameter(torch.empty(n, f, d))
+        self.w2 = nn.Parameter(torch.empty(n, d, f))
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.normal_(w, std=0.02)
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's chosen experts of weight x expert(token); ``chosen`` and
+        ``weight`` (N, k). The tokens are padded per expert to (E, C, D) and go through three
+        batched products, so the backward forms each weight's gradient once (indexing
+        ``w1[e]`` per expert would form a full (E, F, D) gradient per expert)."""
+        n_exp = self.w1.shape[0]
+        e_flat = chosen.reshape(-1)
+        order = torch.argsort(e_flat, stable=True)
+        e_sorted = e_flat[order]
+        tok = order // chosen.shape[1]
+        counts = torch.bincount(e_flat, minlength=n_exp)
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.arange(len(e_sorted)) - starts[e_sorted]
+        xp = x.new_zeros(n_exp, int(counts.max()), x.shape[-1])
+        xp[e_sorted, pos] = x[tok]
+        h = nn.functional.silu(xp @ self.w1.transpose(1, 2)) * (xp @ self.w3.transpose(1, 2))
+        y = (h @ self.w2.transpose(1, 2))[e_sorted, pos]
+        return torch.zeros_like(x).index_add(0, tok, y * weight.reshape(-1)[order, None])
+
+
+class QwenMoEBlock(nn.Module):
+    """Qwen2-MoE's sparse block (names as Hugging Face's ``Qwen2MoeSparseMoeBlock``, the routed
+    experts grouped): softmax router, top-k without renormalisation, plus the shared expert
+    times sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, s: Shape):
+        super().__init__()
+        self.top_k = s.top_k
+        self.gate = nn.Linear(s.d, s.n_experts, bias=False)
+        self.experts = GroupedExperts(s.d, s.expert_ffn, s.n_experts)
+        self.shared_expert = _SwiGLU(s.d, s.shared_ffn)
+        self.shared_expert_gate = nn.Linear(s.d, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weight, chosen = nn.functional.softmax(self.gate(x), dim=-1).topk(self.top_k, dim=-1)
+        out = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return (out + self.experts(x, chosen, weight)).reshape(shape)
+
+
+class _Attention(nn.Module):
+    """Multi-/grouped-query attention with rotary positions, Qwen2's names and q/k/v biases."""
+
+    def __init__(self, s: Shape):
+        super().__init__()
+        self.h, self.kv, self.hd = s.n_head, s.n_kv_head or s.n_head, s.d // s.n_head
+        self.q_proj = nn.Linear(s.d, self.h * self.hd, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.d, self.kv * self.hd, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.d, self.kv * self.hd, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.hd, s.d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from gefen_dist.bench.tasks import _rotary
+
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.h, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv, self.hd).transpose(1, 2)
+        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        y = nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.kv != self.h
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class _QwenMoELayer(nn.Module):
+    def __init__(self, s: Shape):
+        super().__init__()
+        from gefen_dist.bench.tasks import RMSNorm
+
+        self.input_layernorm = RMSNorm(s.d)
+        self.self_attn = _Attention(s)
+        self.post_attention_layernorm = RMSNorm(s.d)
+        self.mlp = QwenMoEBlock(s)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _QwenMoEBody(nn.Module):
+    def __init__(self, s: Shape, n_layer: int):
+        super().__init__()
+        from gefen_dist.bench.tasks import RMSNorm, register_rotary
+
+        self.embed_tokens = nn.Embedding(s.vocab, s.d)
+        self.layers = nn.ModuleList(_QwenMoELayer(s) for _ in range(n_layer))
+        self.norm = RMSNorm(s.d)
+        register_rotary(self, s.d // s.n_head, s.ctx)
+
+
+class QwenMoE(nn.Module):
+    """A Qwen2-MoE causal LM with grouped experts, under Hugging Face's parameter names
+    (``model.layers.N.mlp.experts.w1`` ...): ``(logits, loss) = model(idx, targets)``."""
+
+    def __init__(self, s: Shape, n_layer: int):
+        super().__init__()
+        self.model = _QwenMoEBody(s, n_layer)
+        self.lm_head = nn.Linear(s.d, s.vocab, bias=False)
+        if s.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        T = idx.shape[1]
+        m = self.model
+        x = m.embed_tokens(idx)
+        for layer in m.layers:
+            x = layer(x, m.cos[:T], m.sin[:T])
+        logits = self.lm_head(m.norm(x))
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
 
 
 def tokens(vocab: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -104,6 +287,8 @@ def build_model(s: Shape, n_layer: int = 1) -> tuple[nn.Module, list[str], list[
             vocab_size=s.vocab, block_size=s.ctx, n_layer=n_layer, n_head=s.n_head, n_embd=s.d
         )
         return GPT(cfg), ["transformer.wte"], ["lm_head"]
+    if s.kind == "moe":
+        return QwenMoE(s, n_layer), ["model.embed_tokens"], ["lm_head"]
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -150,7 +335,7 @@ def first_gradients(
 
     hooks = [emb_mod.register_forward_hook(on_emb), head_mod.register_forward_hook(on_head)]
     x, y = ids[:, :-1], ids[:, 1:]
-    if s.kind == "gpt2":
+    if s.kind in ("gpt2", "moe"):
         loss = model(x, y)[1]
     else:
         loss = model(input_ids=x, labels=ids[:, :-1].clone()).loss  # HF shifts labels itself
@@ -271,6 +456,8 @@ def measure_tensor(
             out[opt_name] = dict(bytes=k * peer_state(name, opt_name, piece, info), chunks=k)
         except peers.Unavailable as e:
             out[opt_name] = dict(error=str(e))
+        except RuntimeError as e:  # a peer whose step cannot take this shape (Adam-mini: 3-D)
+            out[opt_name] = dict(error=f"{name} {tuple(grad.shape)}: {type(e).__name__}: {e}")
     return {o: out[o] for o in optimizers}
 
 
@@ -404,6 +591,14 @@ def table(records: list[dict], optimizers: list[str]) -> str:
             cells.append("n/a" if "error" in t else f"{t['bytes'] / r['params']:.3f}")
         name = r["model"]["name"] + (" (all layers)" if r["full"] else "")
         lines.append(f"| {name} | {r['params'] / 1e6:,.0f}M | " + " | ".join(cells) + " |")
+    for r in records:
+        for o in optimizers:
+            if "error" in r["totals"][o]:
+                lines.append("")
+                lines.append(
+                    f"n/a, {r['model']['name']}, {peers.PEERS[o].label}: "
+                    f"{r['totals'][o]['error'][:300]}"
+                )
     for r in records:
         anchor = PAPER.get(r["model"]["name"])
         if anchor and not r["full"]:

@@ -17,8 +17,11 @@ rule); no load-balancing loss, so the experts an untrained router sends no token
 unrouted, as in a user's first step. Attention and norms are the bench's Llama block's.
 
 This module imports from ``gefen_dist.bench.tasks`` (one way). ``task(storage)`` and
-``build`` give it as a bench task (``tasks.Task`` / ``tasks.Instance``); it is not in
-``tasks.TASKS``, so the suite's default task list is unchanged.
+``build`` give it as a bench task (``tasks.Task`` / ``tasks.Instance``); ``register_tasks``, which
+``gefen_dist.bench``'s ``__init__`` calls, puts one task per storage in ``tasks.TASKS`` (``moe``
+for the grouped storage, ``moe_linear``, ``moe_transposed``, ``moe_fused``), so ``python -m
+gefen_dist.bench compare --tasks moe,moe_linear`` and its ``--lr-sweep`` run them. They are not
+in ``tasks.DEFAULT_TASKS``: a command without ``--tasks`` runs what it always ran.
 """
 
 from __future__ import annotations
@@ -187,16 +190,22 @@ def lm_loss(model: nn.Module, batch: tasks.Batch) -> torch.Tensor:
     return tasks._lm_loss(model, batch)
 
 
-def task(storage: str = "grouped") -> tasks.Task:
-    """The MoE LM as a bench task (the Llama task's hyperparameters), for one storage.
-
-    Not in ``tasks.TASKS``: the suite's runners look tasks up there, and adding it would change
-    what ``python -m gefen_dist.bench compare`` runs by default."""
+def task_name(storage: str) -> str:
+    """The suite's name for the MoE task of ``storage``: ``moe`` for torchtitan's grouped
+    layout (the one large MoE trainings use), ``moe_<storage>`` for the others."""
     if storage not in STORAGES:
         raise ValueError(f"storage {storage!r} is not one of {', '.join(STORAGES)}")
+    return "moe" if storage == "grouped" else f"moe_{storage}"
+
+
+def task(storage: str = "grouped") -> tasks.Task:
+    """The MoE LM as a bench task, for one storage: the Llama task's hyperparameters, data and
+    step count (180). Sized so that a run takes about as long as the Llama task's on one CPU
+    thread (1.15M parameters against its 0.84M; 150 against 190 ms a step with AdamW on a
+    2-core Xeon: the experts each see a quarter of the tokens)."""
     c = MoEConfig(storage=storage)
     return tasks.Task(
-        f"moe_{storage}",
+        task_name(storage),
         f"MoE byte LM (top-{c.top_k} of {c.n_experts} SwiGLU experts of {c.hidden}, d={c.dim}, "
         f"{c.n_layers} layers; experts stored {storage})",
         "lm",
@@ -212,6 +221,12 @@ def task(storage: str = "grouped") -> tasks.Task:
             storage=storage,
         ),
     )
+
+
+def register_tasks() -> None:
+    """One suite task per storage in ``tasks.TASKS``, built by ``build`` (idempotent)."""
+    for storage in STORAGES:
+        tasks.register(task(storage), build)
 
 
 def build(t: tasks.Task, seed: int) -> tasks.Instance:
