@@ -392,21 +392,18 @@ def gefen_state(grad: torch.Tensor, bits: list[int]) -> dict[int, dict]:
     per million elements here. The partition runs once for both bit widths (it does not
     depend on them), with a 2M-element working chunk instead of 256K (same sums, 3x faster).
     ``tests/test_bench_memory.py`` checks this equals a real ``Gefen.step()``."""
-    from gefen_dist.distributed.sharding import plain_segments
     from gefen_dist.method import partition
     from gefen_dist.method import state as gstate
+    from gefen_dist.method.segments import whole_tensor
 
-    segs = plain_segments(grad.numel(), tuple(grad.shape))
-    flat = grad.reshape(-1)
+    segs = whole_tensor(tuple(grad.shape))  # one segment, or one per matrix of a batch
     old = partition._CHUNK
     partition._CHUNK = {
         **old,
         grad.device.type: max(partition.chunk_elements(grad.device), 1 << 21),
     }
     try:
-        blocks = [
-            partition.block_size_for(flat[s.offset : s.offset + s.numel], s.shape) for s in segs
-        ]
+        blocks = [partition.block_size_for(grad)] * len(segs)
     finally:
         partition._CHUNK = old
     out = {}
