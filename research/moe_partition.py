@@ -276,17 +276,33 @@ def show(rec: dict) -> None:
 
 
 def dense() -> None:
+    """Which tensors of the demo GPT and the suite's dense tasks the partition's batch-of-matrices
+    rule (``partition.matrix_batch``) takes, and which have an all-zero first gradient of 2+
+    dims (step 7 gives those rows): none of either means their blocks do not move."""
     from gefen_dist.demo.model import GPT, GPTConfig
 
-    models = {"demo GPT": GPT(GPTConfig(block_size=64))}
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(block_size=64))
+    idx = torch.randint(
+        0, gpt.config.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0)
+    )
+    gpt(idx[:, :-1], idx[:, 1:])[1].backward()
+    models = {"demo GPT": gpt}
     for name in tasks.DEFAULT_TASKS:
-        models[name] = tasks.build(tasks.TASKS[name], 0).model
+        inst = tasks.build(tasks.TASKS[name], 0)
+        inst.loss(inst.model, next(inst.batches)).backward()
+        models[name] = inst.model
     for mname, m in models.items():
-        many = [(n, tuple(p.shape)) for n, p in m.named_parameters() if p.dim() >= 3]
-        taken = [(n, s) for n, s in many if batched_gate(s)]
-        print(f"{mname}: {len(many)} tensors of 3+ dims; the batched gate takes {taken or 'none'}")
+        params = list(m.named_parameters())
+        many = [(n, tuple(p.shape)) for n, p in params if p.dim() >= 3]
+        taken = [(n, s) for n, s in many if pt.matrix_batch(s) is not None]
+        zero = [n for n, p in params if p.dim() >= 2 and p.grad is not None and not p.grad.any()]
+        print(
+            f"{mname}: {len(many)} tensors of 3+ dims; the batch-of-matrices rule takes "
+            f"{taken or 'none'}; all-zero first gradients of 2+ dims: {zero or 'none'}"
+        )
         for n, s in many:
-            print(f"    {n} {s} -> {'batched' if batched_gate(s) else 'today'}")
+            print(f"    {n} {s} -> {'batch of matrices' if (n, s) in taken else 'unchanged'}")
 
 
 def late(seed: int = 1, steps: int = 3) -> None:
