@@ -16,6 +16,7 @@ and the cut of segments at each matrix all meet pieces held by two ranks. Tolera
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -79,30 +80,36 @@ def test_dcp_resumes_at_the_same_layout_bit_for_bit(runs):
     assert split["resumed"] == split["losses"][save_at:]
 
 
-def test_a_consolidated_checkpoint_resumes_in_one_process(runs, tmp_path):
-    sys.path.insert(0, str(DIST))  # the launch's own model, batches and loss
-    from moe_layouts import BITS, CONFIG, SAVE_AT, STEPS, batch, build, loss_of
-
-    d, ranks = runs
+def _resume_consolidated(d, script, saved: list[float], tmp_path) -> dict:
+    """Consolidate ``d/dcp`` with the command line, resume it in one process with ``script``'s
+    model, batches and loss, and return the state and the resumed losses' drift."""
+    sys.path.insert(0, str(DIST))
+    mod = importlib.import_module(script)
     whole = tmp_path / "whole.pt"
     cmd = [sys.executable, "-m", "gefen_dist.checkpoint", "consolidate", str(d / "dcp"), str(whole)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     tree = torch.load(whole, weights_only=True)
-    w2 = tree["optim"]["state"]["layers.0.moe.w2"]
-    assert len(w2["layout"]) == CONFIG.n_experts  # one segment per expert, as one process keeps
-    model = build()
+    model = mod.build()
     model.load_state_dict(tree["model"])
-    opt = Gefen(model.parameters(), bits=BITS, lr=3e-3, weight_decay=0.1)  # fsdp_common.HYPER
+    opt = Gefen(model.parameters(), bits=mod.BITS, lr=3e-3, weight_decay=0.1)  # the launches'
     checkpoint.load_optimizer(opt, model, tree["optim"])
     losses = []
-    for s in range(SAVE_AT, STEPS):
+    for s in range(mod.SAVE_AT, mod.STEPS):
         opt.zero_grad()
-        loss = loss_of(model, batch(s))
+        loss = mod.loss_of(model, mod.batch(s))
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    drift = resume_drift(ranks[0]["fsdp2/split"]["losses"], losses, SAVE_AT)
+    return dict(state=tree["optim"]["state"], drift=resume_drift(saved, losses, mod.SAVE_AT))
+
+
+def test_a_consolidated_checkpoint_resumes_in_one_process(runs, tmp_path):
+    d, ranks = runs
+    got = _resume_consolidated(d, "moe_layouts", ranks[0]["fsdp2/split"]["losses"], tmp_path)
+    # one segment per expert, as one process keeps
+    assert len(got["state"]["layers.0.moe.w2"]["layout"]) == 8
+    drift = got["drift"]
     assert drift[0] <= FIRST_TOL and max(drift) <= NEW_WORLD_TOL, drift
 
 
@@ -143,25 +150,6 @@ def test_expert_parallel_resumes_from_dcp_bit_for_bit(ep):
 
 
 def test_an_expert_parallel_checkpoint_resumes_in_one_process(ep, tmp_path):
-    sys.path.insert(0, str(DIST))
-    from moe_ep import BITS, SAVE_AT, STEPS, batch, build, loss_of
-
     d, ranks = ep
-    whole = tmp_path / "whole.pt"
-    cmd = [sys.executable, "-m", "gefen_dist.checkpoint", "consolidate", str(d / "dcp"), str(whole)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    tree = torch.load(whole, weights_only=True)
-    model = build()
-    model.load_state_dict(tree["model"])
-    opt = Gefen(model.parameters(), bits=BITS, lr=3e-3, weight_decay=0.1)
-    checkpoint.load_optimizer(opt, model, tree["optim"])
-    losses = []
-    for s in range(SAVE_AT, STEPS):
-        opt.zero_grad()
-        loss = loss_of(model, batch(s))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    drift = resume_drift(ranks[0]["ep"]["losses"], losses, SAVE_AT)
+    drift = _resume_consolidated(d, "moe_ep", ranks[0]["ep"]["losses"], tmp_path)["drift"]
     assert drift[0] <= FIRST_TOL and max(drift) <= NEW_WORLD_TOL, drift
