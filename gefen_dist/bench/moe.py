@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gefen_dist.bench import tasks
+import gefen_dist.bench.tasks as tasks
 from gefen_dist.bench.tasks import LlamaAttention, RMSNorm
 
 STORAGES = ("grouped", "transposed", "fused", "linear")
