@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import time
 
 # The Triton kernels run on CPU tensors under Triton's interpreter, which triton takes from the
 # environment when it is first imported; other modules (torchao) import it during collection,
@@ -33,16 +34,25 @@ def _mapped() -> set[str]:
     return out
 
 
-@contextlib.contextmanager
-def _removing_new_shm_buffers():
-    before = set(glob.glob(SHM_BUFFERS))
-    yield
-    new = set(glob.glob(SHM_BUFFERS)) - before
-    if new:
-        new -= _mapped()
-    for path in new:
+STALE_S = 60.0
+"""A buffer unchanged this long and mapped by no process is a finished run's leftover. Why not
+"whatever appeared during this session": two sessions on one machine then deleted each other's
+live buffers between a rank's shm_open and its mmap, and its peer waited for the file forever."""
+
+
+def _remove_stale_shm_buffers() -> None:
+    paths = glob.glob(SHM_BUFFERS)
+    if not paths:
+        return
+    in_use = _mapped()
+    now = time.time()
+    for path in paths:
+        if path in in_use:
+            continue
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+            st = os.stat(path)
+            if now - max(st.st_mtime, st.st_ctime) > STALE_S:
+                os.unlink(path)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -50,16 +60,16 @@ def _remove_deepspeed_shm_buffers_of_the_session():
     """DeepSpeed's CPU accelerator leaves a 66 MiB shared-memory all-reduce buffer per rank in
     /dev/shm after every run; /dev/shm is RAM, and a few hundred runs had filled 22 of this
     machine's 24 GiB. Session scope catches the runs of module-scoped fixtures, which start
-    before any function-scoped fixture could take its snapshot."""
-    with _removing_new_shm_buffers():
-        yield
+    before any function-scoped fixture runs."""
+    yield
+    _remove_stale_shm_buffers()
 
 
 @pytest.fixture(autouse=True)
 def _remove_deepspeed_shm_buffers_of_the_test():
-    """The same per test, so a session never holds more than one test's buffers."""
-    with _removing_new_shm_buffers():
-        yield
+    """The same after each test, so leftovers never pile up over a session."""
+    yield
+    _remove_stale_shm_buffers()
 
 
 KINDS = ("unit", "dist", "triton", "slow")
