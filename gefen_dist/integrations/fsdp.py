@@ -547,9 +547,10 @@ def merge_entries(
     payloads: list[dict], codebook: torch.Tensor | None, name: str, whole: bool = True
 ) -> dict[str, portable.TensorState]:
     """Every tensor whose pieces the payloads hold, put together (``portable.merge``); each
-    must be whole unless ``whole`` is False (one rank's own pieces, re-cut in place). Empty where no rank had stepped the parameter. Entries of ranks holding
-    copies of other ranks' pieces (a tensor Replicate on tp, ``sharding.is_copy``) are left
-    out: their pieces are there once already."""
+    must be whole unless ``whole`` is False (one rank's own pieces, re-cut in place). Empty
+    where no rank had stepped the parameter. Entries of ranks holding copies of other ranks'
+    pieces (a tensor Replicate on tp, ``sharding.is_copy``) are left out: their pieces are
+    there once already."""
     parts = []
     for pl in payloads:
         if pl["step"] is None or pl.get("copy"):
