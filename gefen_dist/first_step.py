@@ -96,7 +96,11 @@ def initialize(
             "the AMP grad scaler)"
         )
     merged = collectives.merge_stats(group, pieces, set(seg_of))
-    block_of = {key: _choose(key, seg, merged) for key, seg in seg_of.items()}
+    matrices: dict[Hashable, dict[int, partition.TensorStats]] = {}
+    for k, st in merged.items():
+        if isinstance(k, partition.MatrixKey):
+            matrices.setdefault(k.tensor, {})[k.matrix] = st
+    block_of = {key: _choose(key, seg, merged, matrices) for key, seg in seg_of.items()}
 
     codebooks: dict[int, torch.Tensor] = {}
     new_bits = sorted({item.bits for item in pending} - set(have))
@@ -120,19 +124,20 @@ def initialize(
     return Learned([[block_of[k] for k in row] for row in keys], codebooks)
 
 
-def _choose(key: Hashable, seg: Segment, merged: dict[Hashable, partition.TensorStats]) -> int:
+def _choose(
+    key: Hashable,
+    seg: Segment,
+    merged: dict[Hashable, partition.TensorStats],
+    by_tensor: dict[Hashable, dict[int, partition.TensorStats]],
+) -> int:
     """The block size of the tensor ``key`` (of which ``seg`` is a piece) from the merged
-    statistics of the whole tensor, or of each of its matrices (``partition.MatrixKey``)."""
+    statistics of the whole tensor, or of each of its matrices (``by_tensor[key]``)."""
     batch = partition.matrix_batch(seg.shape)
     if batch is None:
         return partition.choose_block_size(
             merged[key], seg.tensor_numel, partition.row_length(seg.shape)
         )
-    matrices = {
-        k.matrix: st
-        for k, st in merged.items()
-        if isinstance(k, partition.MatrixKey) and k.tensor == key
-    }
+    matrices = by_tensor.get(key, {})
     if len(matrices) != batch.count:
         raise RuntimeError(
             f"{seg.name or key}: statistics of {len(matrices)} of its "

@@ -73,11 +73,13 @@ def test_losses_follow_the_single_process(runs, setup):
     assert drift <= CUT_LOSS_TOL, drift
 
 
+def _resumed_bit_for_bit(run: dict) -> None:
+    save_at = len(run["losses"]) - len(run["resumed"])
+    assert run["resumed"] == run["losses"][save_at:]
+
+
 def test_dcp_resumes_at_the_same_layout_bit_for_bit(runs):
-    _, ranks = runs
-    split = ranks[0]["fsdp2/split"]
-    save_at = len(split["losses"]) - len(split["resumed"])
-    assert split["resumed"] == split["losses"][save_at:]
+    _resumed_bit_for_bit(runs[1][0]["fsdp2/split"])
 
 
 def _resume_consolidated(d, script, saved: list[float], tmp_path) -> dict:
@@ -143,10 +145,7 @@ def test_expert_parallel_follows_the_single_process(ep):
 
 
 def test_expert_parallel_resumes_from_dcp_bit_for_bit(ep):
-    _, ranks = ep
-    run = ranks[0]["ep"]
-    save_at = len(run["losses"]) - len(run["resumed"])
-    assert run["resumed"] == run["losses"][save_at:]
+    _resumed_bit_for_bit(ep[1][0]["ep"])
 
 
 def test_an_expert_parallel_checkpoint_resumes_in_one_process(ep, tmp_path):

@@ -98,7 +98,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -143,6 +143,16 @@ class MatrixBatch:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
+
+    def runs(self, start: int, numel: int) -> Iterator[tuple[int, int, int]]:
+        """Elements [start, start + numel) of the tensor cut where its matrices meet:
+        (matrix, first element, end) of each run, in the tensor's flat coordinates."""
+        at, end = start, start + numel
+        while at < end:
+            k = at // self.numel
+            hi = min(end, (k + 1) * self.numel)
+            yield k, at, hi
+            at = hi
 
 
 def matrix_batch(shape: tuple[int, ...]) -> MatrixBatch | None:
@@ -537,16 +547,12 @@ def stats_requests(grad: torch.Tensor, start: int, shape: tuple[int, ...]) -> li
         req = StatsRequest(grad, start, candidate_block_sizes(shape), column_period(shape))
         return [MatrixPiece(None, req)]
     cands, period = candidate_block_sizes(batch.shape), column_period(batch.shape)
-    size = batch.numel
-    out = []
-    at, end = start, start + grad.numel()
-    while at < end:
-        k = at // size
-        hi = min(end, (k + 1) * size)
-        piece = grad[at - start : hi - start]
-        out.append(MatrixPiece(k, StatsRequest(piece, at - k * size, cands, period)))
-        at = hi
-    return out
+    return [
+        MatrixPiece(
+            k, StatsRequest(grad[lo - start : hi - start], lo - k * batch.numel, cands, period)
+        )
+        for k, lo, hi in batch.runs(start, grad.numel())
+    ]
 
 
 @dataclass(frozen=True)

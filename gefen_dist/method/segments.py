@@ -174,12 +174,8 @@ def by_matrix(segments: Iterable[Segment]) -> list[Segment]:
         if batch is None or seg.numel == 0:
             out.append(seg)
             continue
-        size = batch.numel
-        at, end = seg.start, seg.start + seg.numel
-        while at < end:
-            hi = min(end, (at // size + 1) * size)
-            out.append(Segment(seg.offset + at - seg.start, hi - at, at, seg.shape, seg.name))
-            at = hi
+        for _, lo, hi in batch.runs(seg.start, seg.numel):
+            out.append(Segment(seg.offset + lo - seg.start, hi - lo, lo, seg.shape, seg.name))
     return out
 
 
