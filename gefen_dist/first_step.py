@@ -34,14 +34,17 @@ class Pending:
 
     ``grad``: this rank's gradient, flat (``flat``); ``segments``: the pieces of original
     tensors it holds; ``copy``: another rank of the group holds the same piece (it counts once
-    in the group's statistics and histogram); ``name``: what an error calls it (a callable, as
-    naming a parameter searches the optimizer's groups and is wanted only for an error)."""
+    in the group's statistics and histogram); ``span``: the ranks over which the tensor is
+    spread where they are a part of the group (``collectives.merge_stats``), else None;
+    ``name``: what an error calls it (a callable, as naming a parameter searches the
+    optimizer's groups and is wanted only for an error)."""
 
     name: Callable[[], str]
     bits: int
     segments: list[Segment]
     grad: torch.Tensor
     copy: bool = False
+    span: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,14 @@ def initialize(
             "and codebook from it and will not learn them from inf/NaN (check the loss, or "
             "the AMP grad scaler)"
         )
-    merged = collectives.merge_stats(group, pieces, set(seg_of))
+    spans = {
+        k: item.span
+        for item, row in zip(pending, keys, strict=True)
+        for k in row
+        if item.span is not None and isinstance(k, str)
+    }
+    agreed = collectives.merge_stats(group, pieces, set(seg_of), spans)
+    merged = agreed.stats
     matrices: dict[Hashable, dict[int, partition.TensorStats]] = {}
     for k, st in merged.items():
         if isinstance(k, partition.MatrixKey):
@@ -111,6 +121,8 @@ def initialize(
             if item.copy:
                 continue
             for seg, key in zip(item.segments, row, strict=True):
+                if key in agreed.copies:
+                    continue
                 piece = item.grad[seg.offset : seg.offset + seg.numel]
                 if piece.device not in acc:
                     acc[piece.device] = _bins(piece.device)

@@ -95,6 +95,7 @@ class Gefen(Optimizer):
         self._segments: dict[torch.Tensor, list[Segment]] = {}
         self._codebooks: dict[int, torch.Tensor] = {}
         self._group: dist.ProcessGroup | None = None
+        self._spans: dict[torch.Tensor, tuple[int, ...]] = {}  # spread params' ranks (_use_group)
         self._initialized = False
         self._display: dict[torch.Tensor, str] = {}
         self._backend = "auto"
@@ -228,17 +229,50 @@ class Gefen(Optimizer):
         super().load_state_dict(state_dict)
 
     def _use_group(self, group: dist.ProcessGroup | None, p: torch.Tensor) -> None:
-        if group is None or dist.get_world_size(group) == 1:
+        """Take the group over which ``p`` is spread into the optimizer's. Parameters may be
+        spread over different groups when one group's ranks hold every other's: under tensor
+        parallelism the linear weights span the (dp, tp) mesh while norms and embeddings are
+        FSDP-sharded over the dp mesh alone; under expert parallelism the experts and the dense
+        weights live on different meshes of the same ranks. The optimizer agrees over the
+        largest (its ``process_group``), and a parameter spread over a part of it keeps that
+        part's ranks (``_spans``): the first step counts one replica of it
+        (``collectives.merge_stats``). Groups of the same ranks are one group: the first seen
+        serves, the same on every rank, as every rank sees the parameters in one order."""
+        if group is None:
             return
-        if self._group is not None and group is not self._group:
-            where = f" ({sharding.layout(p)})" if sharding.is_dtensor(p) else ""
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        self._spans[p] = ranks
+        if len(ranks) == 1:
+            return
+        if self._group is None:
+            self._group = group
+            return
+        have = set(dist.get_process_group_ranks(self._group))
+        if set(ranks) <= have:
+            return
+        where = f" ({sharding.layout(p)})" if sharding.is_dtensor(p) else ""
+        if not have < set(ranks):
             raise ValueError(
-                f"{self._name(p)} is sharded over another process group than earlier "
-                f"parameters{where}; one Gefen optimizer spans one process group (under tensor "
-                "parallelism every parameter must be a DTensor on the (dp, tp) mesh, norms as "
-                "Replicate() on tp)"
+                f"{self._name(p)} is sharded over ranks {list(ranks)}{where}, and earlier "
+                f"parameters over ranks {sorted(have)}: one Gefen optimizer agrees over one "
+                "group of ranks, so the groups of its parameters must nest (a dp mesh inside "
+                "its (dp, tp) mesh); build one Gefen per group of ranks"
+            )
+        if any(self.state.values()):
+            raise ValueError(
+                f"{self._name(p)} is sharded over ranks {list(ranks)}{where}, more than the "
+                f"ranks {sorted(have)} over which this optimizer's state was learned: add "
+                "parameters over more ranks before the first step"
             )
         self._group = group
+
+    def _span(self, p: torch.Tensor) -> tuple[int, ...] | None:
+        """The ranks over which ``p`` is spread where they are a part of the optimizer's group
+        (``_use_group``), else None."""
+        ranks = self._spans.get(p)
+        if ranks is None or self._group is None:
+            return None
+        return ranks if len(ranks) < dist.get_world_size(self._group) else None
 
     # -- step --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -499,7 +533,11 @@ class Gefen(Optimizer):
             name = functools.partial(self._name, p)
             segs = self._segments_for(p)
             grad = first_step.flat(sharding.local(p.grad), name)
-            items.append(first_step.Pending(name, group["bits"], segs, grad, sharding.is_copy(p)))
+            items.append(
+                first_step.Pending(
+                    name, group["bits"], segs, grad, sharding.is_copy(p), self._span(p)
+                )
+            )
         learned = first_step.initialize(items, self._group, set(self._codebooks))
         self._codebooks.update(learned.codebooks)
         for (p, group), item, blocks in zip(pending, items, learned.blocks, strict=True):

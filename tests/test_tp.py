@@ -49,7 +49,7 @@ TP_LOSS_TOL = SPLIT_LOSS_TOL  # the FSDP tests' bounds
 FULL_RESUME_TOL, ONE_PROCESS_TOL = SAME_WORLD_TOL, NEW_WORLD_TOL
 CODEBOOK_TOL, FIRST_TOL = 2e-4, 1e-6
 SP_GRAD_TOL = 1e-5
-MODES = ("same", "split", "sp")
+MODES = ("same", "split", "sp", "tp_attn")
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,23 @@ def test_sequence_parallel_norms_are_replicated_on_tp_and_sharded_on_dp(eq):
         assert run["group"] == [0, 1, 2, 3]
 
 
+def test_parameters_left_to_fsdp_on_dp_join_the_tp_weights_group(eq):
+    # TP on attention only: the norms and the MLP are DTensors on the 1-D dp mesh, 2 of the
+    # optimizer's 4 ranks, each tp rank holding a replica. One optimizer agrees over the 4
+    # ranks, one replica counts (the MODES tests: blocks, codebook and losses are the
+    # single-process ones; the MLP's blocks are in the codebook's histogram)
+    ref = eq[0]["ref"]["blocks"]
+    assert all(ref[f"mlp.{n}.weight"] != 1 for n in ("gate", "up", "down"))
+    for r in eq:
+        run = r["tp_attn"]
+        pl, segs = run["placements"], run["segments"]
+        for n in ("attn_norm", "mlp_norm", "mlp.gate", "mlp.up", "mlp.down"):
+            assert pl[f"{n}.weight"] == "(Shard(dim=0),)", n
+            assert segs[f"{n}.weight"] == 1
+        assert pl["attn.o.weight"] == "(Shard(dim=0), Shard(dim=1))"
+        assert run["group"] == [0, 1, 2, 3]
+
+
 def test_sequence_parallel_gradients_are_the_single_process_ones(eq):
     # each tp rank's loss covers half the sequence: divided by tp, the tp-summed gradients
     # (the norms' included) are the reference ones; undivided they are twice them (drift 1.0),
@@ -123,7 +140,7 @@ def test_sequence_parallel_gradients_are_the_single_process_ones(eq):
         assert max(drift.values()) <= SP_GRAD_TOL, drift
 
 
-@pytest.mark.parametrize("mode", ("split", "sp"))
+@pytest.mark.parametrize("mode", ("split", "sp", "tp_attn"))
 def test_each_rank_keeps_less_state_than_adamw(eq, mode):
     for r in eq:
         mem = r[mode]["memory"]
@@ -157,6 +174,13 @@ def test_layouts_left_are_refused_by_name(eq):
     assert "'wp'" in errors["partial"] and "P(sum) is not supported" in errors["partial"]
 
 
+def test_groups_that_do_not_nest_are_refused_naming_both(eq):
+    # on rank 0: a weight on the dp mesh {0, 2}, then one on the tp mesh {0, 1}
+    msg = eq[0]["errors"]["crossing"]
+    assert "'on_tp'" in msg and "ranks [0, 1]" in msg and "ranks [0, 2]" in msg, msg
+    assert "must nest" in msg
+
+
 # -- checkpoints ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ck(eq, tmp_path_factory):
@@ -167,24 +191,38 @@ def ck(eq, tmp_path_factory):
     return dict(save=[r["ckpt"] for r in eq], resume=read_results(root, ranks=WORLD))
 
 
-def test_dcp_resume_at_the_same_mesh_is_bit_for_bit(ck):
+LAYOUTS = ("norms_on_tp", "tp_attn")
+
+
+def _layout(record: dict, layout: str) -> dict:
+    return record["tp_attn"] if layout == "tp_attn" else record
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dcp_resume_at_the_same_mesh_is_bit_for_bit(ck, layout):
     assert len(ck["resume"]) == WORLD
     for saved, resumed in zip(ck["save"], ck["resume"], strict=True):
+        saved, resumed = _layout(saved, layout), _layout(resumed, layout)
         got = resumed["dcp"]
         assert got["state_exact"] and got["params_exact"], got["param_diff"]
         assert got["losses"] == saved["losses"][3:]
-    assert len({r["run"] for r in ck["save"]}) == 1
+    # one run id on every rank: the norms' replicas write the same entries
+    assert len({_layout(r, layout)["run"] for r in ck["save"]}) == 1
 
 
-def test_full_state_dict_resumes_at_the_same_mesh_within_bound(ck):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_full_state_dict_resumes_at_the_same_mesh_within_bound(ck, layout):
     for saved, resumed in zip(ck["save"], ck["resume"], strict=True):
+        saved, resumed = _layout(saved, layout), _layout(resumed, layout)
         drift = resume_drift(saved["losses"], resumed["full"]["losses"], 3)
         assert drift[0] <= FIRST_TOL and max(drift) <= FULL_RESUME_TOL, drift
 
 
-def test_full_state_dict_resumes_in_one_process_within_bound(ck, eq):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_full_state_dict_resumes_in_one_process_within_bound(ck, eq, layout):
     ref = eq[0]["ref"]["blocks"]
     for saved, resumed in zip(ck["save"], ck["resume"], strict=True):
+        saved, resumed = _layout(saved, layout), _layout(resumed, layout)
         got = resumed["one_process"]
         drift = resume_drift(saved["losses"], got["losses"], 3)
         assert drift[0] <= FIRST_TOL and max(drift) <= ONE_PROCESS_TOL, drift

@@ -9,6 +9,7 @@ process, or DDP, where every rank already sees the whole tensor and the same ave
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,23 +44,48 @@ def _gather(group: dist.ProcessGroup, obj: Any) -> list[Any]:
     return every
 
 
+@dataclass(frozen=True)
+class Merged:
+    """What ``merge_stats`` agreed: the statistics of every tensor (or matrix) this rank holds,
+    and the tensors of which this rank holds a replica that counts nowhere (``copies``)."""
+
+    stats: dict[Hashable, partition.TensorStats]
+    copies: frozenset[Hashable]
+
+
 def merge_stats(
     group: dist.ProcessGroup | None,
     pieces: dict[Hashable, list[partition.TensorStats]],
     held: set[Hashable],
-) -> dict[Hashable, partition.TensorStats]:
+    spans: dict[Hashable, tuple[int, ...]] | None = None,
+) -> Merged:
     """Partition statistics per tensor (or per matrix of a batch, ``partition.MatrixKey``);
     named pieces come from tensors spread over ranks, so every rank's pieces of a tensor it
     holds (``held``: its tensors' keys, also those it holds as a copy and has no statistics
-    of) are merged by name: every rank then chooses the same block."""
-    if group is not None:
-        named = {k: v for k, v in pieces.items() if isinstance(_tensor(k), str)}
-        pieces = {k: v for k, v in pieces.items() if not isinstance(_tensor(k), str)}
-        for other in _gather(group, named):
-            for k, v in other.items():
-                if _tensor(k) in held:
-                    pieces.setdefault(k, []).extend(v)
-    return {k: partition.merge_stats(v) for k, v in pieces.items()}
+    of) are merged by name: every rank then chooses the same block.
+
+    ``spans``: the ranks over which each named tensor is spread, for tensors spread over a part
+    of ``group`` (a sub-mesh: norms on the dp mesh of a (dp, tp) model, dense weights beside
+    experts). Other parts may hold replicas of the same tensor (the dp mesh of every tp rank);
+    the part with the least ranks counts, and the others' pieces count nowhere, here or in the
+    histogram (``Merged.copies``), so statistics and codebook are the single-process ones."""
+    spans = spans or {}
+    if group is None:
+        return Merged({k: partition.merge_stats(v) for k, v in pieces.items()}, frozenset())
+    named = {k: v for k, v in pieces.items() if isinstance(_tensor(k), str)}
+    pieces = {k: v for k, v in pieces.items() if not isinstance(_tensor(k), str)}
+    every = _gather(group, (named, spans))
+    counts: dict[Hashable, tuple[int, ...]] = {}
+    for _, their_spans in every:
+        for k, ranks in their_spans.items():
+            counts[k] = min(counts.get(k, ranks), ranks)
+    for their_named, their_spans in every:
+        for k, v in their_named.items():
+            t = _tensor(k)
+            if t in held and their_spans.get(t) == counts.get(t):
+                pieces.setdefault(k, []).extend(v)
+    copies = frozenset(k for k, ranks in spans.items() if ranks != counts[k])
+    return Merged({k: partition.merge_stats(v) for k, v in pieces.items()}, copies)
 
 
 def _tensor(key: Hashable) -> Hashable:

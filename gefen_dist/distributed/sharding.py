@@ -18,9 +18,13 @@ distinct pieces of a tensor:
   group keeps its own, identical, copy of the state;
 - a 2-D mesh whose dim 0 is sharded (FSDP2 over dp with tensor parallelism on tp): the group of
   the whole mesh, for every parameter on it, also those ``Replicate()`` on tp (norms under
-  ``SequenceParallel``): one optimizer spans one group. Ranks holding a copy of another rank's
-  piece (a nonzero coordinate on a ``Replicate()`` mesh dim, ``is_copy``) then count nowhere
-  in the statistics or the histogram, so both are the single-process ones.
+  ``SequenceParallel``). Ranks holding a copy of another rank's piece (a nonzero coordinate on
+  a ``Replicate()`` mesh dim, ``is_copy``) then count nowhere in the statistics or the
+  histogram, so both are the single-process ones.
+
+One optimizer may hold parameters of different groups when they nest (layers left out of a TP
+plan on the dp mesh, inside the (dp, tp) mesh's ranks): it agrees over the largest, and a
+tensor spread over a part of it counts once (``Gefen._use_group``, ``collectives.merge_stats``).
 
 Meshes of more dimensions and ``Partial()`` placements are refused by name.
 """

@@ -239,7 +239,10 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
         integ.names.setdefault(
             p, f"parameter {fqn_of[p]!r}" if p in fqn_of else optimizer.name_of(p)
         )
-    integ.run = _run_id(next(iter(integ.sharded.values())), integ.replicas)
+    # over the optimizer's group: parameters spread over parts of it (norms on the dp mesh of
+    # a (dp, tp) model) write entries that other parts write too, with the same run id
+    group = optimizer.process_group or next(iter(integ.sharded.values()))
+    integ.run = _run_id(group, integ.replicas)
     optimizer.attach("fsdp", integ)
     optimizer.register_state_dict_post_hook(_pack_state_dict)
     optimizer.register_load_state_dict_pre_hook(_unpack_state_dict, prepend=True)

@@ -1,6 +1,9 @@
 """Checkpoints of Gefen under FSDP2 with tensor parallelism on 4 ranks as a (dp=2, tp=2) mesh.
 
-argv: MODE OUT CKDIR BITS.
+argv: MODE OUT CKDIR BITS. Each mode runs twice: tensor parallelism on every linear layer, and on
+attention alone, the norms and MLP left to FSDP2 on the dp mesh
+(``tp_common.parallelize(attention_only=True)``; its files
+under CKDIR/tp_attn, its results under "tp_attn").
 
 - ``save`` (``save_run``, also called by tp_train.py to spare a launch): train FIRST steps
   (each dp rank on its half of the batch), save a DCP checkpoint (``dcp.save`` of
@@ -43,16 +46,16 @@ from teardown import finish
 FIRST, SECOND = 3, 3
 
 
-def setup_run(bits: int):
+def setup_run(bits: int, attention_only: bool = False):
     mesh = mesh2d()
-    model = parallelize(build(), mesh)
+    model = parallelize(build(), mesh, attention_only=attention_only)
     return model, gefen(model.parameters(), bits), mesh
 
 
-def save_run(ck: Path, bits: int) -> dict:
+def save_run(ck: Path, bits: int, attention_only: bool = False) -> dict:
     rank = dist.get_rank()
     ck.mkdir(parents=True, exist_ok=True)
-    model, opt, mesh = setup_run(bits)
+    model, opt, mesh = setup_run(bits, attention_only)
     first = train(model, opt, 0, FIRST, mesh, True)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ck / "dcp"))
@@ -67,9 +70,9 @@ def save_run(ck: Path, bits: int) -> dict:
     return dict(losses=first + second, run=opt.attached("fsdp").run)
 
 
-def resume_run(ck: Path, bits: int) -> dict:
+def resume_run(ck: Path, bits: int, attention_only: bool = False) -> dict:
     rank = dist.get_rank()
-    model, opt, mesh = setup_run(bits)
+    model, opt, mesh = setup_run(bits, attention_only)
     result = {}
     msd, osd = get_state_dict(model, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(ck / "dcp"))
@@ -83,7 +86,7 @@ def resume_run(ck: Path, bits: int) -> dict:
         params_exact=all(torch.equal(final[n], saved[n]) for n in saved),
         param_diff=max((final[n] - saved[n]).abs().max().item() for n in saved),
     )
-    model, opt, mesh = setup_run(bits)
+    model, opt, mesh = setup_run(bits, attention_only)
     tree = torch.load(ck / "full.pt", weights_only=True)
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, tree["model"], options=options)
@@ -105,7 +108,8 @@ def resume_run(ck: Path, bits: int) -> dict:
 def main() -> None:
     mode, out, ck, bits = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
     init()
-    write(out, save_run(ck, bits) if mode == "save" else resume_run(ck, bits))
+    run = save_run if mode == "save" else resume_run
+    write(out, {**run(ck, bits), "tp_attn": run(ck / "tp_attn", bits, attention_only=True)})
 
 
 if __name__ == "__main__":

@@ -108,13 +108,21 @@ def _local_out(_mod, out, _mesh):
     return out.to_local()
 
 
-def parallelize(model: Llama, mesh: DeviceMesh, sequence_parallel: bool = False) -> Llama:
+def parallelize(
+    model: Llama, mesh: DeviceMesh, sequence_parallel: bool = False, attention_only: bool = False
+) -> Llama:
     """TP on mesh["tp"], then FSDP2 on mesh["dp"]. ``sequence_parallel``: the torchtitan-style
-    plan, the residual stream Shard(1) between the sublayers (feed it ``seq_shard`` inputs)."""
+    plan, the residual stream Shard(1) between the sublayers (feed it ``seq_shard`` inputs).
+    ``attention_only``: tensor parallelism on attention's linear layers only; the norms and the
+    MLP stay plain modules, so FSDP2 makes their weights DTensors on the 1-D dp mesh (Shard(0)):
+    a group of 2 ranks inside the attention weights' 4, with a replica on each tp rank."""
     tp = mesh["tp"]
     out = dict(output_layouts=Shard(1)) if sequence_parallel else {}
-    plan = {n: ColwiseParallel() for n in ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up")}
-    plan |= {n: RowwiseParallel(**out) for n in ("attn.o", "mlp.down")}
+    colwise, rowwise = ["attn.q", "attn.k", "attn.v"], ["attn.o"]
+    if not attention_only:
+        colwise, rowwise = colwise + ["mlp.gate", "mlp.up"], rowwise + ["mlp.down"]
+    plan = {n: ColwiseParallel() for n in colwise}
+    plan |= {n: RowwiseParallel(**out) for n in rowwise}
     if sequence_parallel:
         for norm, sub in (("attn_norm", "attn"), ("mlp_norm", "mlp")):
             plan[norm] = SequenceParallel()
@@ -122,7 +130,7 @@ def parallelize(model: Llama, mesh: DeviceMesh, sequence_parallel: bool = False)
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
             )
     parallelize_module(model, tp, plan)
-    if not sequence_parallel:
+    if not sequence_parallel and not attention_only:
         for norm in (model.attn_norm, model.mlp_norm):
             distribute_module(norm, tp, input_fn=_replicate_in, output_fn=_local_out)
     for m in (model.attn, model.mlp, model):

@@ -2,7 +2,9 @@
 
 argv: OUT STEPS BITS [CKDIR]. Runs: "same", every rank on the whole batch (the gradient is the
 reference one up to the rounding of the row-parallel sums); "split", each dp rank on its half;
-"sp", the sequence-parallel plan (tp_common.parallelize(sequence_parallel=True)), each dp rank
+"tp_attn", each dp rank on its half, with tensor parallelism on attention alone (the norms and
+the MLP FSDP2-sharded over the dp mesh: two groups of ranks in one optimizer); "sp", the
+sequence-parallel plan (tp_common.parallelize(sequence_parallel=True)), each dp rank
 on its half and each tp rank on its half of the sequence, its loss divided by tp; its record
 adds "grad_drift", per tensor the first step's max |grad - reference| over max |reference|.
 Writes rank{r}.json with, per run, the loss per step, codebooks, block sizes per tensor, this
@@ -47,9 +49,11 @@ def reference(steps: int, bits: int) -> dict:
     )
 
 
-def run(steps: int, bits: int, ref: dict, split: bool, sp: bool = False) -> dict:
+def run(
+    steps: int, bits: int, ref: dict, split: bool, sp: bool = False, attention_only: bool = False
+) -> dict:
     mesh = mesh2d()
-    model = parallelize(build(), mesh, sequence_parallel=sp)
+    model = parallelize(build(), mesh, sequence_parallel=sp, attention_only=attention_only)
     opt = gefen(model.parameters(), bits)
     grads: dict | None = {} if sp else None
     losses = train(model, opt, 0, steps, mesh, split, sp, grads)
@@ -95,10 +99,25 @@ def refused(name: str, make) -> str:
     return "accepted"
 
 
+def crossing() -> str:
+    """One optimizer over a weight on the dp mesh and one on the tp mesh: neither group holds
+    the other's ranks."""
+    mesh = mesh2d()
+    w = torch.randn(16, 16)
+    a = torch.nn.Parameter(distribute_tensor(w, mesh["dp"], [Shard(0)]))
+    b = torch.nn.Parameter(distribute_tensor(w, mesh["tp"], [Shard(0)]))
+    try:
+        Gefen([("on_dp", a), ("on_tp", b)])
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def errors() -> dict[str, str]:
     w = torch.randn(16, 16)
     mesh3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "dp", "tp"))
     return dict(
+        crossing=crossing(),
         mesh_3d=refused(
             "w3", lambda: distribute_tensor(w, mesh3, [Replicate(), Shard(0), Shard(1)])
         ),
@@ -118,10 +137,15 @@ def main() -> None:
         same=run(steps, bits, ref, False),
         split=run(steps, bits, ref, True),
         sp=run(steps, bits, ref, True, sp=True),
+        tp_attn=run(steps, bits, ref, True, attention_only=True),
         errors=errors(),
     )
     if len(sys.argv) > 4:
-        result["ckpt"] = save_run(Path(sys.argv[4]), bits)
+        ck = Path(sys.argv[4])
+        result["ckpt"] = {
+            **save_run(ck, bits),
+            "tp_attn": save_run(ck / "tp_attn", bits, attention_only=True),
+        }
     write(out, result)
 
 
