@@ -496,8 +496,9 @@ class Gefen(Optimizer):
         hit = self._views.get(p)
         if hit is None or hit.codes is not st["codes"] or hit.levels is not st["codebook"]:
             levels = st["codebook"]
-            spread = [self.spread_name(s) for s in self._segments_for(p)]
-            views = state.step_views(st)
+            segments = self._segments_for(p)
+            spread = [self.spread_name(s) for s in segments]
+            views = state.step_views(st, segments)
             hit = _Prepared(
                 st["codes"], levels, midpoints(levels), views, [spread[v.first] for v in views]
             )

@@ -209,3 +209,40 @@ def test_a_state_saved_before_matrices_were_cut_loads_and_steps_bit_for_bit():
         _step(twin, opt2, _tokens(8, 33, 20 + s))
     for (n, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b), n
+
+
+def _needs_backend(backend: str) -> None:
+    from needs import cpp_kernel, triton_interpreter
+
+    if backend == "native":
+        cpp_kernel()
+    if backend == "triton":
+        triton_interpreter()
+
+
+@pytest.mark.parametrize(
+    "backend", ["reference", "native", pytest.param("triton", marks=pytest.mark.triton)]
+)
+def test_experts_at_different_gradient_scales_take_steps_of_one_size(backend):
+    # Column blocks of a batch keep a v per column of each expert and a v_cross entry per row.
+    # A row's mean g^2 carries its expert's scale, which the expert's column v already hold:
+    # normalised over the whole tensor, an expert of small gradients is divided by its scale
+    # twice, its factor floored and its step up to 1 / sqrt(CROSS_FLOOR) = 10 times AdamW's.
+    # Per expert, each takes about AdamW's step (lr at the first step), as AdamW does.
+    _needs_backend(backend)
+    g0 = _experts_by_column(seed=1)
+    lr = 1e-3
+    w = torch.nn.Parameter(torch.zeros(E, R, C))
+    opt = Gefen([w], lr=lr, weight_decay=0.0)
+    opt.backend = backend
+    moves = []
+    for t in range(3):
+        before = w.detach().clone()
+        w.grad = g0 * (1.0 + 0.1 * t)
+        opt.step()
+        moves.append((w.detach() - before).pow(2).mean(dim=(1, 2)).sqrt() / lr)
+    assert pt.matrix_batch(tuple(w.shape)) is not None
+    assert int(opt.state[w]["layout"][0, 3]) == -C  # columns inside each expert
+    assert opt.state[w]["v_cross"].numel() > 0  # the factor is on
+    for rms in moves:
+        assert rms.min() > 0.5 and rms.max() < 2.0, rms

@@ -169,8 +169,10 @@ def test_a_rowwise_weight_keeps_one_v_cross_per_rank_not_one_per_row(eq):
 
 def test_layouts_left_are_refused_by_name(eq):
     errors = eq[0]["errors"]
-    assert "'w3'" in errors["mesh_3d"] and "3-D mesh" in errors["mesh_3d"]
-    assert "HSDP with tensor parallelism" in errors["mesh_3d"]
+    # a 3-D mesh runs (tests/test_mesh3d.py); two replicate dims before the first that shards
+    # the tensor do not
+    assert "'w3'" in errors["two_replicate"] and "3-D mesh" in errors["two_replicate"]
+    assert "one replicate dimension" in errors["two_replicate"]
     assert "'wp'" in errors["partial"] and "P(sum) is not supported" in errors["partial"]
 
 

@@ -6,12 +6,13 @@ blocks (per tensor row for column blocks). Element (block b, position j) divides
 
     sqrt(v_b * c_j) / sqrt(1 - b2^t) + eps,   c_j = max(v_cross_j / mean(v_cross), CROSS_FLOOR)
 
-with c read from v_cross as the steps before this one left it (from this step's fold where those
-left it all zero), and this step's mean g^2 folded in after (``reference.cross_factor``). The
-factor belongs to the tensor, not to a piece: a tensor spread over ranks (FSDP, ZeRO, tensor
-parallelism) adds its pieces' sums of g^2 (``reference.cross_sums``) over the process group in
-one all-reduce per step, so that every rank keeps the single-process v_cross and takes the
-single-process step.
+(the mean over each matrix's rows for a batch of matrices with column blocks,
+``state.cross_groups``), with c read from v_cross as the steps before this one left it (from this
+step's fold where those left it all zero), and this step's mean g^2 folded in after
+(``reference.cross_factor``). The factor belongs to the tensor, not to a piece: a tensor spread over
+ranks (FSDP, ZeRO, tensor parallelism) adds its pieces' sums of g^2 (``reference.cross_sums``) over
+the process group in one all-reduce per step, so that every rank keeps the single-process v_cross
+and takes the single-process step.
 
 Why one module: a step's factors come from up to four places, and which one serves a segment is
 one decision, taken here for every backend:
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -114,7 +116,11 @@ def step_factors(
         for i in factored
     }
     sharing = Counter(owner.values())
-    alone = {i for i in factored if items[i].spread is None and sharing[owner[i]] == 1}
+    alone = {
+        i
+        for i in factored
+        if items[i].spread is None and sharing[owner[i]] == 1 and items[i].seg.cross_groups == 1
+    }
     on_cpu = [
         i
         for i in factored
@@ -194,15 +200,38 @@ def _fold(
         it = items[o]
         sums, counts = (x.to(it.seg.v_cross.device).contiguous() for x in (sums, counts))
         if it.impl == "triton":
-            work = FactorWork(it.seg, it.hyper, sums, counts)
-            on_gpu.setdefault(it.seg.v_cross.device, []).append((o, work))
+            for sub, s, c in _slices(it.seg, sums, counts):
+                work = FactorWork(sub, it.hyper, s, c)
+                on_gpu.setdefault(it.seg.v_cross.device, []).append((o, work))
         else:
             made[o] = _factor(it.impl, it.seg, it.hyper, sums, counts)
     for pairs in on_gpu.values():
         got = triton_backend.factors([w for _, w in pairs])
+        parts: dict[int, list[torch.Tensor]] = {}
         for (o, _), f in zip(pairs, got, strict=True):
-            made[o] = f
+            parts.setdefault(o, []).append(f)
+        for o, fs in parts.items():
+            made[o] = fs[0] if len(fs) == 1 else torch.cat(fs)
     return made
+
+
+def _slices(
+    seg: SegmentState, sums: torch.Tensor, counts: torch.Tensor
+) -> list[tuple[SegmentState, torch.Tensor, torch.Tensor]]:
+    """The parts of a factor normalised apart (``state.cross_groups``), each as a segment of its
+    own slice of v_cross, for the kernels, which normalise what they are given as one."""
+    k = seg.cross_groups
+    if k == 1:
+        return [(seg, sums, counts)]
+    n = seg.v_cross.numel() // k
+    return [
+        (
+            replace(seg, v_cross=seg.v_cross[j * n : (j + 1) * n], cross_groups=1),
+            sums[j * n : (j + 1) * n],
+            counts[j * n : (j + 1) * n],
+        )
+        for j in range(k)
+    ]
 
 
 def _factor(
@@ -211,5 +240,6 @@ def _factor(
     """A segment's factor from its tensor's sums: the C++ kernel's own pass where it updates the
     segment, the reference's elsewhere."""
     if impl == "cpu":
-        return native_cpu.cross_factor(seg, h, sums, counts)
+        parts = [native_cpu.cross_factor(sub, h, s, c) for sub, s, c in _slices(seg, sums, counts)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     return cross_factor(seg, h, cross_mean(sums, counts))

@@ -1,5 +1,5 @@
-"""Where a parameter's elements live: plain tensors and DTensors (FSDP2, its HSDP, and FSDP2
-with tensor parallelism on a 2-D (dp, tp) mesh).
+"""Where a parameter's elements live: plain tensors and DTensors (FSDP2, its HSDP, FSDP2 or HSDP
+with tensor parallelism, expert parallelism).
 
 A rank's local tensor is contiguous, and it holds, per tensor dim, some of the global indices
 (the placements say which: ``Shard``, and FSDP2's ``_StridedShard`` over a tensor-parallel
@@ -20,13 +20,17 @@ distinct pieces of a tensor:
   the whole mesh, for every parameter on it, also those ``Replicate()`` on tp (norms under
   ``SequenceParallel``). Ranks holding a copy of another rank's piece (a nonzero coordinate on
   a ``Replicate()`` mesh dim, ``is_copy``) then count nowhere in the statistics or the
-  histogram, so both are the single-process ones.
+  histogram, so both are the single-process ones;
+- meshes of more dimensions by the same rule: the mesh dimensions from the first that shards the
+  tensor on (an HSDP mesh with tensor parallelism, (replicate, shard, tp): each replica's
+  (shard, tp) ranks; expert parallelism with tensor parallelism, (dp, ep, tp): the whole mesh).
 
 One optimizer may hold parameters of different groups when they nest (layers left out of a TP
 plan on the dp mesh, inside the (dp, tp) mesh's ranks): it agrees over the largest, and a
 tensor spread over a part of it counts once (``Gefen._use_group``, ``collectives.merge_stats``).
 
-Meshes of more dimensions and ``Partial()`` placements are refused by name.
+``Partial()`` placements, and more than one replicate dimension before the first that shards,
+are refused by name.
 """
 
 from __future__ import annotations
@@ -165,29 +169,39 @@ def layout(p: torch.Tensor) -> str:
 
 
 def check_layout(p: torch.Tensor, name: str) -> None:
-    """Refuse, naming the layout, what Gefen cannot place in the tensor's coordinates: meshes
-    of more than two dimensions (HSDP with tensor parallelism), and placements other than
-    Shard, _StridedShard (FSDP2 over a tensor-parallel Shard) and Replicate (a Partial tensor
-    holds no rank's elements)."""
-    if p.device_mesh.ndim > 2:
-        raise ValueError(
-            f"{name} has {layout(p)}: Gefen supports 1-D meshes (FSDP2 fully_shard, tensor "
-            "parallelism), 2-D (replicate, shard) meshes (HSDP) and 2-D (dp, tp) meshes (FSDP2 "
-            "with tensor parallelism), not meshes of more dimensions (HSDP with tensor "
-            "parallelism)"
-        )
+    """Refuse, naming the layout, what Gefen cannot place in the tensor's coordinates:
+    placements other than Shard, _StridedShard (FSDP2 over a tensor-parallel Shard) and
+    Replicate (a Partial tensor holds no rank's elements), and replicate dimensions of a mesh
+    of more than two dimensions that Gefen cannot make one group of (``group_of``)."""
     for pl in p.placements:
         if not (_is_shard(pl) or isinstance(pl, Replicate)):
             raise ValueError(
                 f"{name} has {layout(p)}: {pl} is not supported; Gefen needs each mesh "
                 "dimension to shard (Shard, _StridedShard) or replicate (Replicate) the tensor"
             )
+    first = _first_shard(p)
+    mesh = p.device_mesh
+    if first is not None and first > 0 and mesh.ndim - first > 1:
+        if not mesh.mesh_dim_names:  # _inner_group flattens by name
+            raise ValueError(
+                f"{name} has {layout(p)}: Gefen makes one group of the mesh dimensions from "
+                "the first that shards the tensor on, which needs the mesh's dimension names "
+                "(init_device_mesh(..., mesh_dim_names=...))"
+            )
+    if first is not None and first > 1:
+        raise ValueError(
+            f"{name} has {layout(p)}: Gefen supports one replicate dimension before the "
+            "dimensions that shard the tensor (HSDP), not several"
+        )
 
 
-def _spans_mesh(p: torch.Tensor) -> bool:
-    """Whether ``p``'s agreeing ranks are its whole (2-D) mesh: mesh dim 0 shards it (FSDP2
-    over dp with tensor parallelism on dim 1)."""
-    return p.device_mesh.ndim == 2 and _is_shard(p.placements[0])
+def _first_shard(p: torch.Tensor) -> int | None:
+    """The first mesh dimension that shards ``p``: the dimensions before it replicate it
+    (HSDP's replicate dimension), those from it on spread it (``group_of``)."""
+    for i, pl in enumerate(p.placements):
+        if _is_shard(pl):
+            return i
+    return None
 
 
 _WHOLE: dict[tuple, dist.ProcessGroup] = {}
@@ -205,45 +219,67 @@ def _whole_group(mesh) -> dist.ProcessGroup:
     return _WHOLE[key]
 
 
+def _inner_group(mesh, first: int) -> dist.ProcessGroup:
+    """The group of the mesh dimensions ``first`` on, one per coordinate of those before (each
+    replica's): DeviceMesh's own flattening, which makes every replica's group at once over
+    the root mesh, so no rank waits on a group the others do not make."""
+    names = mesh.mesh_dim_names[first:]
+    flat = mesh[names]._flatten("_gefen_" + "_".join(names))
+    return flat.get_group()
+
+
 def shard_dim(p: torch.Tensor) -> int | None:
-    """The mesh dimension whose group spreads ``p`` (after ``check_layout``), if one does: the
-    sharding dimension of a 1-D mesh or of a (replicate, shard) mesh; None where no mesh dim
-    shards it, or where the whole mesh spreads it (``_spans_mesh``)."""
-    if not is_dtensor(p) or _spans_mesh(p):
+    """The mesh dimension whose group spreads ``p`` (after ``check_layout``), if one mesh
+    dimension alone does: the sharding dimension of a 1-D mesh or of a (replicate, shard)
+    mesh; None where no mesh dim shards it, or where several do (``group_of``)."""
+    if not is_dtensor(p):
         return None
-    for i, pl in enumerate(p.placements):
-        if _is_shard(pl):
-            return i
-    return None
+    first = _first_shard(p)
+    if first is None or p.device_mesh.ndim - first > 1:
+        return None
+    return first
 
 
 def group_of(p: torch.Tensor) -> dist.ProcessGroup | None:
-    """The process group over which pieces of ``p`` are spread, if any: under HSDP the shard
-    mesh dimension's group, not the whole mesh (the replicas already agree); on a (dp, tp)
-    mesh the whole mesh's."""
+    """The process group over which pieces of ``p`` are spread, if any: the mesh dimensions
+    from the first that shards it on. Under HSDP (a leading Replicate dimension) that leaves the
+    replicas out, which already agree; on a (dp, tp) mesh it is the whole mesh's; on an HSDP
+    mesh with tensor parallelism, (replicate, shard, tp), each replica's (shard, tp) ranks."""
     if not is_dtensor(p):
         return None
-    if _spans_mesh(p):
-        return _whole_group(p.device_mesh)
-    i = shard_dim(p)
-    return None if i is None else p.device_mesh.get_group(mesh_dim=i)
+    first = _first_shard(p)
+    if first is None:
+        return None
+    mesh = p.device_mesh
+    if mesh.ndim - first == 1:
+        return mesh.get_group(mesh_dim=first)
+    if first == 0:
+        return _whole_group(mesh)
+    return _inner_group(mesh, first)
 
 
 def is_copy(p: torch.Tensor) -> bool:
     """Whether this rank's piece of ``p`` is a copy of another rank's in ``group_of(p)`` (a
-    nonzero coordinate on a Replicate mesh dim of a mesh-spanning tensor): such a piece adds
-    nothing to the statistics and histogram the group sums."""
-    if not is_dtensor(p) or not _spans_mesh(p):
+    nonzero coordinate on a Replicate mesh dim inside the group: a norm's tp copies): such a
+    piece adds nothing to the statistics and histogram the group sums."""
+    if not is_dtensor(p):
+        return False
+    first = _first_shard(p)
+    if first is None:
         return False
     coord = p.device_mesh.get_coordinate()
-    return any(isinstance(pl, Replicate) and coord[i] != 0 for i, pl in enumerate(p.placements))
+    return any(
+        isinstance(pl, Replicate) and coord[i] != 0
+        for i, pl in enumerate(p.placements)
+        if i > first
+    )
 
 
 def replica_group_of(p: torch.Tensor) -> dist.ProcessGroup | None:
     """The group of ranks holding copies of this rank's piece of ``p`` in other replica groups
     (HSDP's replicate mesh dimension), if any; ``None`` where the mesh has no such dimension
     (copies inside one group, ``is_copy``, write entries of their own)."""
-    i = shard_dim(p)
-    if i is None or p.device_mesh.ndim == 1:
+    first = _first_shard(p) if is_dtensor(p) else None
+    if not first:
         return None
-    return p.device_mesh.get_group(mesh_dim=1 - i)
+    return p.device_mesh.get_group(mesh_dim=0)

@@ -160,11 +160,14 @@ def block_owners(rows: list[LayoutRow], bits: int) -> list[int]:
     return out
 
 
-def step_views(state: dict[str, torch.Tensor]) -> list[StepView]:
+def step_views(
+    state: dict[str, torch.Tensor], segments: list[Segment] | None = None
+) -> list[StepView]:
     """(buffer offset, first segment, views) for what the update steps as one segment: each
     segment, but a run of row pieces sharing their blocks (``block_owners``) as one piece of a
     tensor of their width (R rows of C columns, at its row r0: start r0 * C, blocks -C), which
-    their contiguous memory is: per column one v and absmax, per row the tensor's v_cross."""
+    their contiguous memory is: per column one v and absmax, per row the tensor's v_cross.
+    ``segments`` (the layout's, in its order) give each view its tensor's ``cross_groups``."""
     views = segment_views(state)
     rows = layout_rows(state)
     bits = bits_of(state["codebook"])
@@ -190,6 +193,8 @@ def step_views(state: dict[str, torch.Tensor]) -> list[StepView]:
                 v=st.v,
                 v_cross=st.v_cross,
             )
+        if segments is not None and st.v_cross is not None:
+            st.cross_groups = cross_groups(segments[k], rows[k].block)
         out.append(StepView(offset, k, st))
         k = end
     return out
@@ -408,6 +413,23 @@ class SegmentState:
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
     v_cross: torch.Tensor | None = None
+    cross_groups: int = 1
+    """Equal slices of ``v_cross`` whose factor is normalised apart (``cross_groups``)."""
+
+
+def cross_groups(seg: Segment, block_size: int) -> int:
+    """Slices of a tensor's ``v_cross`` whose factor is normalised apart: the matrices of a batch
+    of matrices with column blocks, 1 elsewhere. Such a tensor keeps one v_cross entry per row of
+    each matrix, and a row's mean g^2 carries its matrix's scale, which the matrix's own column
+    v already hold. Normalised over the whole tensor, a matrix of smaller gradients (an expert
+    that fewer tokens reach) would be divided by its scale twice: its factor floored, its steps
+    up to 1 / sqrt(CROSS_FLOOR) times AdamW's. Contiguous blocks keep one entry per position
+    of the row, shared by every matrix: its mean g^2 is averaged over them, so their scales do
+    not separate it."""
+    batch = matrix_batch(seg.shape)
+    if batch is None or block_size >= 0 or not cross_length(block_size, seg.tensor_numel):
+        return 1
+    return batch.count
 
 
 def cross_length(block_size: int, tensor_numel: int) -> int:

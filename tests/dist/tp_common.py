@@ -109,13 +109,18 @@ def _local_out(_mod, out, _mesh):
 
 
 def parallelize(
-    model: Llama, mesh: DeviceMesh, sequence_parallel: bool = False, attention_only: bool = False
+    model: Llama,
+    mesh: DeviceMesh,
+    sequence_parallel: bool = False,
+    attention_only: bool = False,
+    dp: tuple[str, ...] = ("dp",),
 ) -> Llama:
     """TP on mesh["tp"], then FSDP2 on mesh["dp"]. ``sequence_parallel``: the torchtitan-style
     plan, the residual stream Shard(1) between the sublayers (feed it ``seq_shard`` inputs).
     ``attention_only``: tensor parallelism on attention's linear layers only; the norms and the
     MLP stay plain modules, so FSDP2 makes their weights DTensors on the 1-D dp mesh (Shard(0)):
-    a group of 2 ranks inside the attention weights' 4, with a replica on each tp rank."""
+    a group of 2 ranks inside the attention weights' 4, with a replica on each tp rank.
+    ``dp``: the mesh dimensions FSDP2 shards over (("replicate", "shard"): HSDP)."""
     tp = mesh["tp"]
     out = dict(output_layouts=Shard(1)) if sequence_parallel else {}
     colwise, rowwise = ["attn.q", "attn.k", "attn.v"], ["attn.o"]
@@ -134,7 +139,7 @@ def parallelize(
         for norm in (model.attn_norm, model.mlp_norm):
             distribute_module(norm, tp, input_fn=_replicate_in, output_fn=_local_out)
     for m in (model.attn, model.mlp, model):
-        fully_shard(m, mesh=mesh["dp"])
+        fully_shard(m, mesh=mesh[dp] if len(dp) > 1 else mesh[dp[0]])
     return model
 
 

@@ -118,8 +118,8 @@ def errors() -> dict[str, str]:
     mesh3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "dp", "tp"))
     return dict(
         crossing=crossing(),
-        mesh_3d=refused(
-            "w3", lambda: distribute_tensor(w, mesh3, [Replicate(), Shard(0), Shard(1)])
+        two_replicate=refused(
+            "w3", lambda: distribute_tensor(w, mesh3, [Replicate(), Replicate(), Shard(0)])
         ),
         partial=refused(
             "wp",
