@@ -72,7 +72,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     if _FLAGS.get("elem_v"):
         denom = own.clone()
     if _FLAGS.get("fix"):
-        denom = reference.bounded_denominator(denom, own, h)
+        denom = reference.bounded_denominator(denom, m, h)
     denom = denom.add_(h.eps)
     step = m / denom * h.step_size
     p32.sub_(step)

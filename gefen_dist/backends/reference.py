@@ -328,3 +328,27 @@ def _column_rows(g, st, h, levels, bits, period):
         m = levels[read_codes(st.codes, lo, hi, bits).long()].view_as(g32)
         m.mul_(st.absmax[:w]).lerp_(g32, 1.0 - h.beta1)
         yield lo, hi, m, g32
+
+
+def adam_bound(h: Hyper) -> float:
+    """The most |m_hat / sqrt(v_hat)| of one element can reach in AdamW at step t (eps = 0),
+    by Cauchy-Schwarz on the two EMAs of its own gradients, rho = b1^2 / b2:
+    (1 - b1) / sqrt(1 - b2) * sqrt((1 - rho^t) / (1 - rho)) * sqrt(1 - b2^t) / (1 - b1^t).
+    1 at t = 1; (1 - b1) / sqrt((1 - b2)(1 - rho)) late (1.17 for betas (0.9, 0.95))."""
+    b1, b2, t = h.beta1, h.beta2, h.step
+    rho = b1 * b1 / b2
+    if rho >= 1.0:
+        return float("inf")
+    return (
+        (1 - b1) / (1 - b2) ** 0.5 * ((1 - rho**t) / (1 - rho)) ** 0.5 * (1 - b2**t) ** 0.5
+    ) / (1 - b1**t)
+
+
+def bounded_denominator(denom: torch.Tensor, m: torch.Tensor, h: Hyper) -> torch.Tensor:
+    """PROTOTYPE (issue 43, not used by the update yet): the denominator raised where a shared v
+    would step an element further than AdamW ever can, |step| <= lr * adam_bound: a block's v
+    (times its factor) under the element's own g^2 otherwise moves that element by up to
+    sqrt(v_elem / v_shared) x AdamW's largest step. No constant of its own: the bound follows
+    from the betas and the step."""
+    floor = m.abs() * (h.step_size / (h.lr * adam_bound(h)))
+    return torch.maximum(denom, floor)
