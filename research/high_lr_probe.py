@@ -103,6 +103,22 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
             blocks=st.block_size,
             w_rms=float(p32.square().mean().sqrt()),
         )
+        parts = int(_FLAGS.get("gates", 0))
+        if parts and st.v.numel() % parts == 0 and st.block_size > 0:
+            idx = torch.arange(blocks.start, blocks.stop)
+            part = (idx * parts // st.v.numel())[:, None].expand_as(
+                lam
+            )  # the gate section of each block's row
+            rec["gate_amp_log_rms"] = [
+                round(float(lam[part == k].square().mean().sqrt()), 3) for k in range(parts)
+            ]
+            rec["gate_upd"] = [
+                round(float(step[part == k].square().mean().sqrt()), 5) for k in range(parts)
+            ]
+            rec["gate_over"] = [
+                round(float((step[part == k].abs() > h.lr * adam_bound(h)).float().mean()), 4)
+                for k in range(parts)
+            ]
         RECORD[name].append(rec)
 
 
@@ -136,7 +152,7 @@ def _dense_watch(orig):
 
 
 @contextlib.contextmanager
-def variant(name: str, watch: bool = False):
+def variant(name: str, watch: bool = False, gates: int = 0):
     """Run Gefen under switch ``name`` (module docstring) inside the block."""
     from gefen_dist import optimizer as gopt
     from gefen_dist.method import partition, state
@@ -149,7 +165,7 @@ def variant(name: str, watch: bool = False):
         cl=state.cross_length,
     )
     _FLAGS.clear()
-    _FLAGS.update({name: True, "watch": watch})
+    _FLAGS.update({name: True, "watch": watch, "gates": gates})
     _SHADOW.clear()
     _EXACT.clear()
     gopt.Gefen._impl = lambda self, p, g: "reference"
@@ -172,7 +188,15 @@ def variant(name: str, watch: bool = False):
         _FLAGS.clear()
 
 
-def probe(task_name: str, lr: float, seed: int, optimizer: str, name: str, steps: list[int]):
+def probe(
+    task_name: str,
+    lr: float,
+    seed: int,
+    optimizer: str,
+    name: str,
+    steps: list[int],
+    gates: int = 0,
+):
     """One run with statistics; AdamW's per-tensor update RMS from a hook on its steps."""
     from gefen_dist.bench import peers, tasks
     from gefen_dist.demo import loop
@@ -185,7 +209,7 @@ def probe(task_name: str, lr: float, seed: int, optimizer: str, name: str, steps
     RECORD.clear()
     _NAMES.clear()
     _NAMES.update({p.untyped_storage().data_ptr(): n for n, p in model.named_parameters()})
-    with variant(name, watch=optimizer != "adamw"):
+    with variant(name, watch=optimizer != "adamw", gates=gates):
         opt = peers.build(optimizer, model, h.lr, betas=h.betas, weight_decay=h.weight_decay)
         losses = []
         for s in range(1, h.steps + 1):
@@ -214,10 +238,11 @@ def main() -> None:
     ap.add_argument("--optimizer", default="gefen8")
     ap.add_argument("--variant", default="ref")
     ap.add_argument("--steps", default="1,2,5,10,25,50,100,200,300,400,500")
+    ap.add_argument("--gates", type=int, default=0, help="split block rows in N sections")
     ap.add_argument("--out", default="research/results/high_lr_probe.jsonl")
     a = ap.parse_args()
     steps = [int(x) for x in a.steps.split(",")]
-    r = probe(a.task, a.lr, a.seed, a.optimizer, a.variant, steps)
+    r = probe(a.task, a.lr, a.seed, a.optimizer, a.variant, steps, a.gates)
     keep = {n: [x for x in v if x["step"] in steps] for n, v in r["record"].items()}
     rec = dict(vars(a), val=r["val"], loss_every_25=r["losses"][::25], record=keep)
     with open(a.out, "a") as f:
