@@ -19,7 +19,7 @@ Variants (``variant``, also used by ``research/high_lr_rnn.py --variant``):
 ``no_factor`` (no ``v_cross``), ``exact_m`` (m kept in fp32 beside the codes, used instead of
 the dequantised one: codes off), ``elem_v`` (the denominator from the per-element shadow v:
 sharing off for v only, m still coded), ``rows`` (every 2-D tensor forced to row blocks),
-``fix`` (the prototype of ``reference.bounded_denominator``).
+``fix`` (the prototype ``bounded_denominator``, rejected: research/results/high_lr_rnn.md).
 
     PYTHONPATH=. python research/high_lr_probe.py --task gru_odd --lr 3e-2 --seed 0 --bits 8
 """
@@ -72,7 +72,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     if _FLAGS.get("elem_v"):
         denom = own.clone()
     if _FLAGS.get("fix"):
-        denom = reference.bounded_denominator(denom, m, h)
+        denom = bounded_denominator(denom, m, h)
     denom = denom.add_(h.eps)
     step = m / denom * h.step_size
     p32.sub_(step)
@@ -120,6 +120,14 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
                 for k in range(parts)
             ]
         RECORD[name].append(rec)
+
+
+def bounded_denominator(denom: torch.Tensor, m: torch.Tensor, h) -> torch.Tensor:
+    """The rejected prototype: the denominator raised where a shared v would step an element
+    further than AdamW ever can, |step| <= lr * adam_bound (no constant of its own: the bound
+    follows from the betas and the step)."""
+    floor = m.abs() * (h.step_size / (h.lr * adam_bound(h)))
+    return torch.maximum(denom, floor)
 
 
 def adam_bound(h) -> float:

@@ -156,13 +156,19 @@ def cross_factor(st: SegmentState, h: Hyper, mean_sq: torch.Tensor) -> torch.Ten
     before this one left it, or, where those left it all zero, from this step's fold; then this
     step's mean g^2 per entry folded into ``st.v_cross``. Every rank holding a piece of the
     tensor gets the same ``mean_sq`` (the optimizer sums ``cross_sums`` over them), hence the
-    same v_cross."""
-    before = st.v_cross.mean()
-    c = st.v_cross / torch.where(before > 0, before, torch.ones_like(before))
+    same v_cross. With ``st.cross_groups`` slices (``state.cross_groups``: the matrices of a
+    batch), each slice is normalised by its own mean."""
+    v = st.v_cross if st.cross_groups == 1 else st.v_cross.view(st.cross_groups, -1)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return x.mean() if st.cross_groups == 1 else x.mean(dim=1, keepdim=True)
+
+    before = mean(v)
+    c = v / torch.where(before > 0, before, torch.ones_like(before))
     st.v_cross.mul_(h.beta2).add_(mean_sq, alpha=1.0 - h.beta2)
-    total = st.v_cross.mean()
-    first = st.v_cross / torch.where(total > 0, total, torch.ones_like(total))
-    c = torch.where(before > 0, c, first)
+    total = mean(v)
+    first = v / torch.where(total > 0, total, torch.ones_like(total))
+    c = torch.where(before > 0, c, first).reshape(-1)
     return c.clamp_(min=CROSS_FLOOR).sqrt_().div_(h.bc2_sqrt)
 
 
@@ -328,27 +334,3 @@ def _column_rows(g, st, h, levels, bits, period):
         m = levels[read_codes(st.codes, lo, hi, bits).long()].view_as(g32)
         m.mul_(st.absmax[:w]).lerp_(g32, 1.0 - h.beta1)
         yield lo, hi, m, g32
-
-
-def adam_bound(h: Hyper) -> float:
-    """The most |m_hat / sqrt(v_hat)| of one element can reach in AdamW at step t (eps = 0),
-    by Cauchy-Schwarz on the two EMAs of its own gradients, rho = b1^2 / b2:
-    (1 - b1) / sqrt(1 - b2) * sqrt((1 - rho^t) / (1 - rho)) * sqrt(1 - b2^t) / (1 - b1^t).
-    1 at t = 1; (1 - b1) / sqrt((1 - b2)(1 - rho)) late (1.17 for betas (0.9, 0.95))."""
-    b1, b2, t = h.beta1, h.beta2, h.step
-    rho = b1 * b1 / b2
-    if rho >= 1.0:
-        return float("inf")
-    return (
-        (1 - b1) / (1 - b2) ** 0.5 * ((1 - rho**t) / (1 - rho)) ** 0.5 * (1 - b2**t) ** 0.5
-    ) / (1 - b1**t)
-
-
-def bounded_denominator(denom: torch.Tensor, m: torch.Tensor, h: Hyper) -> torch.Tensor:
-    """PROTOTYPE (issue 43, not used by the update yet): the denominator raised where a shared v
-    would step an element further than AdamW ever can, |step| <= lr * adam_bound: a block's v
-    (times its factor) under the element's own g^2 otherwise moves that element by up to
-    sqrt(v_elem / v_shared) x AdamW's largest step. No constant of its own: the bound follows
-    from the betas and the step."""
-    floor = m.abs() * (h.step_size / (h.lr * adam_bound(h)))
-    return torch.maximum(denom, floor)
