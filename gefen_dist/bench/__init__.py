@@ -6,5 +6,7 @@ suite (the command line, its worker subprocesses, the tests) sees them in ``task
 """
 
 from gefen_dist.bench import moe as _moe
+from gefen_dist.bench import recurrent as _recurrent
 
 _moe.register_tasks()
+_recurrent.register_tasks()
