@@ -2,7 +2,8 @@
 saves and resumes it (``gefen_dist.integrations.torchtitan``, docs/torchtitan.md).
 
 torchtitan is not in an extra (docs/torchtitan.md: its release pulls datasets, wandb and
-tensorboard, none of which these tests use): the module skips where it is absent.
+tensorboard, none of which these tests use); launch/install.sh installs it with the packages its
+components import, so CI runs these tests, and the module skips where it is absent.
 
 How close, and why (``tests/dist/torchtitan_ckpt.py``: the uneven ``Odd`` model under FSDP2,
 8 steps, a checkpoint at step 4, its biases in an AdamW group beside Gefen):
@@ -41,7 +42,7 @@ from gefen_dist.integrations.torchtitan import (  # noqa: E402
     gefen_optimizers,
 )
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.dist  # most of its tests start ranks
 
 STEPS, SAVE_AT = 8, 4  # tests/dist/torchtitan_ckpt.py's
 NEW_WORLD_TOL = 5e-4
