@@ -24,7 +24,8 @@ In order, each item a result of its own:
    pieces, several tensors' pieces in one flat buffer as FSDP/ZeRO hand them), 4 and 8 bits,
    fp32/bf16/fp16 parameters; the device's g0 histogram against the CPU's;
 2. the whole optimizer on the device against the CPU (partition, codebook, state bytes, three
-   steps, a resumed checkpoint);
+   steps, a resumed checkpoint), on the demo GPT and on the MoE LM's grouped experts (batches
+   of matrices, factored per matrix);
 3. one step on ~1B parameters (16 matrices of 8192 x 8192), fp32: fused AdamW, then Gefen
    4-bit, each with its construction and first step timed apart from the median ordinary step;
 4. the same in bf16, then Gefen 8-bit in fp32 and bf16;
@@ -156,6 +157,7 @@ def items(device: str, interpret: bool) -> list[Item]:
                 out.append(Item(f"equal/{name}/{bits}b/{dtype}", "checks", cap, args))
     out.append(Item("histogram", "checks", 60, dict(kind="histogram")))
     out.append(Item("optimizer", "checks", 120, dict(kind="optimizer")))
+    out.append(Item("optimizer/moe", "checks", 120, dict(kind="optimizer", model="moe")))
 
     def step(opt: str, dtype: str, kind: str = "matrices", cap: float = 120) -> Item:
         args = dict(kind="step", optimizer=opt, dtype=dtype, set=kind)

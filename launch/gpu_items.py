@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from gefen_dist import Gefen, Segment  # noqa: E402
 from gefen_dist.backends import triton_backend, triton_checks  # noqa: E402
 from gefen_dist.method import codebook as cb  # noqa: E402
-from gefen_dist.method import state  # noqa: E402
+from gefen_dist.method import partition, state  # noqa: E402
 from gefen_dist.method.codes import unpack4  # noqa: E402
 
 BACKEND = "triton"  # what every Gefen here runs on the device (the CPU twin: the reference)
@@ -186,34 +186,48 @@ def check_histogram(device, small: bool = False) -> dict:
     return dict(out, ok=out["equal"] and out["kernel_equal"], total=float(ref.sum()))
 
 
-def check_optimizer(device, small: bool = False) -> dict:
+def check_optimizer(device, small: bool = False, model: str = "gpt") -> dict:
     """The whole optimizer on the device, as a user runs it, against the same on the CPU: the
-    demo GPT's parameters with the same real gradients (computed once, on the CPU) on both, so
-    the first step partitions, builds the g0 histogram and learns the codebook from them on
-    the device. Layouts (block sizes), codebooks and the state's bytes must be equal, the
-    parameters after three steps (the interpreter's: two) must agree but for the rare element
-    a code flip moved (at most one in 10^3 off by more than 10^-3 of the largest step), and a
-    state_dict saved on the device must load into a fresh optimizer and step as the original
-    does. The per-kernel checks start from state set by hand, so they never ran this path."""
+    demo GPT's parameters (``model`` "moe": the MoE LM's, grouped experts, whose batches of
+    matrices are cut per matrix and factored per matrix) with the same real gradients (computed
+    once, on the CPU) on both, so the first step partitions, builds the g0 histogram and learns
+    the codebook from them on the device. Layouts (block sizes), codebooks and the state's bytes
+    must be equal, the parameters after three steps (the interpreter's: two) must agree but for
+    the rare element a code flip moved (at most one in 10^3 off by more than 10^-3 of the
+    largest step), and a state_dict saved on the device must load into a fresh optimizer and
+    step as the original does. The per-kernel checks start from state set by hand, so they never
+    ran this path."""
+    import torch.nn.functional as F
+
+    from gefen_dist.bench.moe import MoEConfig, MoELM
     from gefen_dist.demo.corpus import get_batch, load_corpus
     from gefen_dist.demo.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     # the interpreter's model is smaller, the same in kind (its time goes with the programs)
     steps, block = (2, 32) if small else (3, 64)
-    size = dict(n_layer=1, n_embd=16) if small else dict(n_layer=2, n_embd=128)
-    model = GPT(GPTConfig(n_head=4, block_size=block, **size))
+    if model == "moe":
+        # experts of 64 x 80: the least matrices a batch takes (4096 elements)
+        dims = dict(dim=64, hidden=80, n_layers=1, n_experts=4) if small else {}
+        lm = MoELM(MoEConfig(seq=block, **dims))
+    else:
+        size = dict(n_layer=1, n_embd=16) if small else dict(n_layer=2, n_embd=128)
+        lm = GPT(GPTConfig(n_head=4, block_size=block, **size))
     train, _ = load_corpus(2**18)
     batches = torch.Generator().manual_seed(0)
     grads = []
     for _ in range(steps + 1):
-        model.zero_grad(set_to_none=True)
-        model(*get_batch(train, 4, block, batches))[1].backward()
-        grads.append([q.grad.clone() for q in model.parameters()])
+        lm.zero_grad(set_to_none=True)
+        x, y = get_batch(train, 4, block, batches)
+        if model == "moe":
+            F.cross_entropy(lm(x).flatten(0, 1), y.flatten()).backward()
+        else:
+            lm(x, y)[1].backward()
+        grads.append([q.grad.clone() for q in lm.parameters()])
     out: dict = dict(ok=False)
     runs = []
     for where, backend in (("cpu", "reference"), (device, BACKEND)):
-        params = [torch.nn.Parameter(q.detach().clone().to(where)) for q in model.parameters()]
+        params = [torch.nn.Parameter(q.detach().clone().to(where)) for q in lm.parameters()]
         opt = Gefen(params, lr=1e-2, weight_decay=0.1, bits=4)
         opt.backend = backend
         for t in range(steps):
@@ -236,7 +250,7 @@ def check_optimizer(device, small: bool = False) -> dict:
     out["state_bytes_equal"] = out["state_bytes_per_param"] == cpu_bytes
     moved = max(
         float((a.detach() - q.detach()).abs().max())
-        for a, q in zip(pc, model.parameters(), strict=True)
+        for a, q in zip(pc, lm.parameters(), strict=True)
     )
     off = sum(
         int(((a.detach() - b.detach().cpu()).abs() > 1e-3 * moved).sum())
@@ -256,8 +270,19 @@ def check_optimizer(device, small: bool = False) -> dict:
     od.step()
     fresh.step()
     out["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(pd, twin, strict=True))
+    # what the MoE model is there for: batches of matrices, factored per matrix
+    views = [(od.segments_of(q), od.state[q]) for q in pd]
+    out["batches"] = sum(partition.matrix_batch(tuple(q.shape)) is not None for q in pd)
+    out["factored_per_matrix"] = sum(
+        any(
+            state.cross_groups(seg, int(row[3])) > 1
+            for seg, row in zip(segs, st["layout"], strict=True)
+        )
+        for segs, st in views
+    )
     out["ok"] = (
-        out["layouts_equal"]
+        (model != "moe" or out["factored_per_matrix"] > 0)
+        and out["layouts_equal"]
         and out["codebooks_equal"]
         and out["state_bytes_equal"]
         and out["p_off_frac"] <= 1e-3
@@ -582,7 +607,7 @@ def run_item(item: dict, cfg: dict, device) -> dict:
     if kind == "histogram":
         return check_histogram(device, small=cfg["small"])
     if kind == "optimizer":
-        return check_optimizer(device, small=cfg["small"])
+        return check_optimizer(device, small=cfg["small"], model=item.get("model", "gpt"))
     if kind == "train":
         return check_train(device, item["mode"], timeout_s=item["timeout_s"])
     if kind == "step":

@@ -109,6 +109,8 @@ def test_the_checks_run_and_pass_under_the_interpreter(report):
     (whole,) = [c for c in checks if c["item"] == "optimizer"]
     assert whole["layouts_equal"] and whole["codebooks_equal"] and whole["resumed_equal"]
     assert whole["state_bytes_equal"] and report["goals"]["state_bytes_as_cpu"]["met"]
+    (moe,) = [c for c in checks if c["item"] == "optimizer/moe"]  # grouped experts
+    assert moe["ok"] and moe["batches"] > 0 and moe["factored_per_matrix"] > 0
     # every compiled variant the launchers use ran at least once
     assert report["kernels"]["missing"] == [] and report["kernels"]["ran"] == 14
     assert "Checks: " in report["_md"] and "kernel variants launched 14/14" in report["_md"]
@@ -257,7 +259,7 @@ def test_the_interpreter_picks_small_sizes_and_a_device_the_1b_set():
 
 def test_items_run_most_informative_first_on_a_gpu():
     names = [it.name for it in gpu_check.items("cuda", interpret=False)]
-    order = ["probe", "equal/prime/4b/float32", "histogram", "optimizer",
+    order = ["probe", "equal/prime/4b/float32", "histogram", "optimizer", "optimizer/moe",
              "step/matrices/float32/adamw_fused", "step/matrices/float32/gefen4",
              "step/matrices/bfloat16/adamw_fused", "step/matrices/bfloat16/gefen4",
              "step/matrices/float32/gefen8", "step/matrices/bfloat16/gefen8", "train/ddp",
