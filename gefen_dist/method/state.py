@@ -427,9 +427,12 @@ def cross_groups(seg: Segment, block_size: int) -> int:
     of the row, shared by every matrix: its mean g^2 is averaged over them, so their scales do
     not separate it."""
     batch = matrix_batch(seg.shape)
-    if batch is None or block_size >= 0 or not cross_length(block_size, seg.tensor_numel):
+    if batch is None or block_size >= 0:
         return 1
-    return batch.count
+    rows = cross_length(block_size, seg.tensor_numel)
+    # one entry per matrix (columns across the matrices, which a checkpoint saved before the
+    # batch rule may hold) leaves nothing to normalise apart
+    return batch.count if rows and rows % batch.count == 0 and rows > batch.count else 1
 
 
 def cross_length(block_size: int, tensor_numel: int) -> int:
