@@ -122,6 +122,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
             else None,
             blocks=st.block_size,
             w_rms=float(p32.square().mean().sqrt()),
+            alike_c=_alike_spread(g32, denom - h.eps, h),
         )
         if cols is not None and cols.c_lag.shape[0] == 1:
             rec.update(_column_stats(cols, lam, over_el, own, v, h, step, m))
@@ -159,6 +160,18 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
 DUMP: dict[tuple[str, int], dict] = {}
 """Per (tensor, step) in ``DUMP_STEPS``: the chunk's own v, denominator, m, block v."""
 DUMP_STEPS: set[int] = set()
+
+
+def _alike_spread(g32: torch.Tensor, denom: torch.Tensor, h) -> float:
+    """The partition's "alike" statistic (docs/method.md, step 5) of this step's gradient
+    against the shared denominator: with z = g / denom, c = (CV^2(z^2) - 2) / 3 is the spread
+    (CV^2) of the elements' own variances around v_b c_j, for Gaussian g; 0 where the shared
+    denominator is each element's own. Read from this step's g alone: no per-element state."""
+    z2 = (g32 / (denom * h.bc2_sqrt).clamp(min=1e-30)).square()
+    cv2 = float(z2.var() / z2.mean().square().clamp(min=1e-30))
+    return (cv2 - 2.0) / 3.0
+
+
 _VC: dict[tuple[int, int], torch.Tensor] = {}
 _HV: dict[tuple[int, int], torch.Tensor] = {}
 
