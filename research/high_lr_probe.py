@@ -31,7 +31,7 @@ import contextlib
 import json
 import math
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,13 +64,31 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     _SHADOW[key] = sv
     p32 = p if p.dtype == torch.float32 else p.float()
     p32.mul_(1.0 - h.lr * h.weight_decay)
+    whole = f is not None and blocks.start == 0 and blocks.stop == st.v.numel()
+    gates = int(_FLAGS.get("gates", 0)) or 1
+    cols = None
+    if whole:
+        cols = _columns(key, g32, h, gates if _FLAGS.get("gate_c") else 1)
+    if whole and _FLAGS.get("check"):
+        ref_f = cols.c_lag[0].clamp(min=CROSS_FLOOR).sqrt() / h.bc2_sqrt
+        _FLAGS.setdefault("check_err", []).append(float((ref_f / f - 1).abs().max()))
     if f is None:
         denom = (v.sqrt() / h.bc2_sqrt)[:, None].expand_as(g32).clone()
+    elif whole and _FLAGS.get("half_v"):
+        denom = _half_denominator(key, g32, cols.c_lag[0], h)
+    elif whole and (_FLAGS.get("fresh_c") or _FLAGS.get("gate_c")):
+        c = cols.c_fresh if _FLAGS.get("fresh_c") else cols.c_lag
+        c = c[cols.row_group(blocks, st.v.numel())] if c.shape[0] > 1 else c
+        denom = v.sqrt()[:, None] * c.clamp(min=CROSS_FLOOR).sqrt() / h.bc2_sqrt
     else:
         denom = v.sqrt()[:, None] * f[None, :]
     own = sv.sqrt() / h.bc2_sqrt
     if _FLAGS.get("elem_v"):
         denom = own.clone()
+    if _FLAGS.get("exact_c") and f is not None:
+        # sharing on, the rank-1 factor replaced by the element's own g^2 ratio (floored as c)
+        vb = (v.sqrt() / h.bc2_sqrt)[:, None]
+        denom = torch.maximum(own, vb * math.sqrt(CROSS_FLOOR))
     if _FLAGS.get("fix"):
         denom = bounded_denominator(denom, m, h)
     denom = denom.add_(h.eps)
@@ -88,13 +106,15 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
         amp = (own + h.eps) / denom
         lam = amp.clamp(min=1e-12).log()
         name = _NAMES.get(key[0], "?")
+        over_el = step.abs() > h.lr * adam_bound(h) * 1.0001
         rec = dict(
             step=h.step,
             upd=float(step.square().mean().sqrt()),
             amp_log_rms=float(lam.square().mean().sqrt()),
+            amp_log_mean=float(lam.mean()),
             amp_max=float(amp.max()),
             amp_gt3=float((amp > 3).float().mean()),
-            over=float((step.abs() > h.lr * adam_bound(h) * 1.0001).float().mean()),
+            over=float(over_el.float().mean()),
             step_max=float(step.abs().max() / h.lr),
             sat=float((levels[new.long()].abs() >= 0.99).float().mean()),
             clamp=float((f * h.bc2_sqrt).square().le(CROSS_FLOOR * 1.0001).float().mean())
@@ -102,7 +122,10 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
             else None,
             blocks=st.block_size,
             w_rms=float(p32.square().mean().sqrt()),
+            alike_c=_alike_spread(g32, denom - h.eps, h),
         )
+        if cols is not None and cols.c_lag.shape[0] == 1:
+            rec.update(_column_stats(cols, lam, over_el, own, v, h, step, m))
         parts = int(_FLAGS.get("gates", 0))
         if parts and st.v.numel() % parts == 0 and st.block_size > 0:
             idx = torch.arange(blocks.start, blocks.stop)
@@ -112,6 +135,9 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
             rec["gate_amp_log_rms"] = [
                 round(float(lam[part == k].square().mean().sqrt()), 3) for k in range(parts)
             ]
+            rec["gate_amp_log_mean"] = [
+                round(float(lam[part == k].mean()), 3) for k in range(parts)
+            ]
             rec["gate_upd"] = [
                 round(float(step[part == k].square().mean().sqrt()), 5) for k in range(parts)
             ]
@@ -120,6 +146,135 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
                 for k in range(parts)
             ]
         RECORD[name].append(rec)
+        if h.step in DUMP_STEPS:
+            DUMP[(name, h.step)] = dict(
+                own=own.clone(),
+                denom=denom.clone(),
+                m=m.clone(),
+                v=v.clone(),
+                over=over_el.clone(),
+                f=f,
+            )
+
+
+DUMP: dict[tuple[str, int], dict] = {}
+"""Per (tensor, step) in ``DUMP_STEPS``: the chunk's own v, denominator, m, block v."""
+DUMP_STEPS: set[int] = set()
+
+
+def _alike_spread(g32: torch.Tensor, denom: torch.Tensor, h) -> float:
+    """The partition's "alike" statistic (docs/method.md, step 5) of this step's gradient
+    against the shared denominator: with z = g / denom, c = (CV^2(z^2) - 2) / 3 is the spread
+    (CV^2) of the elements' own variances around v_b c_j, for Gaussian g; 0 where the shared
+    denominator is each element's own. Read from this step's g alone: no per-element state."""
+    z2 = (g32 / (denom * h.bc2_sqrt).clamp(min=1e-30)).square()
+    cv2 = float(z2.var() / z2.mean().square().clamp(min=1e-30))
+    return (cv2 - 2.0) / 3.0
+
+
+_VC: dict[tuple[int, int], torch.Tensor] = {}
+_HV: dict[tuple[int, int], torch.Tensor] = {}
+
+
+@dataclass
+class Columns:
+    """The probe's own copy of a tensor's column statistics (``reference.cross_factor``'s,
+    kept per gate section where ``groups`` > 1), one row per section: ``c_lag`` as the steps
+    before this one left it (what the kernels use), ``c_fresh`` with this step's g^2 folded
+    in; both unfloored ratios to their section's mean."""
+
+    c_lag: torch.Tensor
+    c_fresh: torch.Tensor
+    fold: torch.Tensor  # this step's mean g^2 per column and section, as a ratio to its mean
+
+    def row_group(self, blocks: slice, rows: int) -> torch.Tensor:
+        """The section of each row of the chunk (rows of equal sections, as the gates)."""
+        idx = torch.arange(blocks.start, blocks.stop)
+        return idx * self.c_lag.shape[0] // rows
+
+
+def _ratio(x: torch.Tensor) -> torch.Tensor:
+    mean = x.mean(dim=1, keepdim=True)
+    return x / torch.where(mean > 0, mean, torch.ones_like(mean))
+
+
+def _columns(key, g32: torch.Tensor, h, groups: int) -> Columns:
+    """Fold this step's mean g^2 per column (and section) into the probe's v_cross; groups = 1
+    reproduces ``reference.cross_factor`` (lagged, this step's fold where none came before)."""
+    sq = g32.square().view(groups, -1, g32.shape[1]).mean(dim=1)
+    vc = _VC.get(key)
+    vc = torch.zeros_like(sq) if vc is None else vc
+    before = vc.clone()
+    vc.mul_(h.beta2).add_(sq, alpha=1.0 - h.beta2)
+    _VC[key] = vc
+    fresh = _ratio(vc)
+    lag = _ratio(before) if float(before.abs().sum()) > 0 else fresh
+    return Columns(c_lag=lag, c_fresh=fresh, fold=_ratio(sq))
+
+
+def _half_denominator(key, g32: torch.Tensor, c: torch.Tensor, h, parts: int = 2):
+    """Blocks half a row long (v per half-row, the probe's own EMA) with the column factor
+    renormalised inside each half: what B = row / 2 with an ideal factor would give."""
+    rows, width = g32.shape
+    w = width // parts
+    sq = g32[:, : w * parts].square().view(rows, parts, w).mean(dim=2)
+    hv = _HV.get(key)
+    hv = torch.zeros_like(sq) if hv is None else hv
+    hv.mul_(h.beta2).add_(sq, alpha=1.0 - h.beta2)
+    _HV[key] = hv
+    cp = _ratio(c[: w * parts].view(parts, w)).reshape(-1)
+    cp = torch.cat([cp, c[w * parts :]]).clamp(min=CROSS_FLOOR)
+    vcol = hv.repeat_interleave(w, dim=1)
+    if width > w * parts:
+        vcol = torch.cat([vcol, hv[:, -1:].expand(rows, width - w * parts)], dim=1)
+    return (vcol * cp[None, :]).sqrt() / h.bc2_sqrt
+
+
+def _column_stats(cols: Columns, lam, over_el, own, v, h, step, m) -> dict:
+    """Hypotheses 1 and 2: is the over-stepping in floored (near-dead) columns, which way does
+    the shared denominator err there, and how far is the lagged factor from this step's."""
+    floored = cols.c_lag[0] <= CROSS_FLOOR
+    fl = floored[None, :].expand_as(lam)
+    lag_err = (cols.c_lag[0].clamp(min=CROSS_FLOOR) / cols.c_fresh[0].clamp(min=CROSS_FLOOR)).log()
+    # the element's true ratio: own v against the row's v (both as EMAs)
+    c_true = (own.square() / (v / h.bc2_sqrt**2)[:, None].clamp(min=1e-30)).mean(dim=0)
+    n_over = int(over_el.sum())
+    out = dict(
+        floored_cols=int(floored.sum()),
+        lam_mean_floored=float(lam[fl].mean()) if bool(floored.any()) else None,
+        lam_mean_free=float(lam[~fl].mean()),
+        lam_rms_free=float(lam[~fl].square().mean().sqrt()),
+        over_floored=float(over_el[fl].float().mean()) if bool(floored.any()) else None,
+        over_free=float(over_el[~fl].float().mean()),
+        over_in_floored=float(over_el[fl].sum() / n_over) if n_over else None,
+        upd_floored=float(step[fl].square().mean().sqrt()) if bool(floored.any()) else None,
+        upd_free=float(step[~fl].square().mean().sqrt()),
+        lag_log_rms=float(lag_err.square().mean().sqrt()),
+        lag_log_max=float(lag_err.abs().max()),
+        fold_vs_lag_log_rms=float(
+            (cols.fold[0].clamp(min=CROSS_FLOOR) / cols.c_lag[0].clamp(min=CROSS_FLOOR))
+            .log()
+            .square()
+            .mean()
+            .sqrt()
+        ),
+        c_true_min=float(c_true.min()),
+        c_true_floored=float(c_true[floored].mean()) if bool(floored.any()) else None,
+        # the per-row spread the rank-1 fit misses: own / (v_b c_j) within a column
+        rank1_log_rms=float(
+            (
+                own.square()
+                / ((v / h.bc2_sqrt**2)[:, None] * cols.c_lag[0][None, :]).clamp(min=1e-30)
+            )
+            .clamp(min=1e-30)
+            .log()
+            .mul(0.5)
+            .square()
+            .mean()
+            .sqrt()
+        ),
+    )
+    return out
 
 
 def bounded_denominator(denom: torch.Tensor, m: torch.Tensor, h) -> torch.Tensor:
@@ -173,17 +328,20 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         cl=state.cross_length,
     )
     _FLAGS.clear()
-    _FLAGS.update({name: True, "watch": watch, "gates": gates})
+    _FLAGS.update({k: True for k in name.split(",")})
+    _FLAGS.update({"watch": watch, "gates": gates or (4 if "gate_c" in _FLAGS else 0)})
     _SHADOW.clear()
     _EXACT.clear()
+    _VC.clear()
+    _HV.clear()
     gopt.Gefen._impl = lambda self, p, g: "reference"
     reference._update_blocks = _update_blocks
     gopt.dense_update = _dense_watch(saved["dense"])
-    if name == "per_element":
+    if "per_element" in _FLAGS:
         partition.choose_block_size = lambda stats, numel, row=0: 1
-    if name == "rows":
+    if "rows" in _FLAGS:
         partition.choose_block_size = lambda stats, numel, row=0: row if row > 1 else 1
-    if name == "no_factor":
+    if "no_factor" in _FLAGS:
         state.cross_length = lambda block_size, tensor_numel: 0
     try:
         yield
