@@ -246,14 +246,5 @@ def build(t: tasks.Task, seed: int) -> tasks.Instance:
             storage=s["storage"],
         )
     )
-    val = tasks._lm_val(s)
-
-    @torch.no_grad()
-    def evaluate(m: nn.Module) -> dict[str, float]:
-        m.eval()
-        loss = sum(float(tasks._lm_loss(m, b)) for b in val) / len(val)
-        m.train()
-        return dict(val_loss=loss)
-
     info = dict(dim=s["dim"], n_heads=s["n_heads"], n_kv_heads=s["n_heads"])
-    return tasks.Instance(model, tasks._lm_batches(s, seed), tasks._lm_loss, evaluate, info)
+    return tasks.lm_instance(model, s, seed, info)

@@ -28,43 +28,20 @@ import gefen_dist.bench.tasks as tasks
 _SIZES = dict(max_bytes=2**20, val_batches=8, layers=1)
 
 
-class LSTMLM(nn.Module):
-    """Byte-level LSTM language model (stacked i/f/g/o gate matrices, 4H rows)."""
-
-    def __init__(self, emb: int, hidden: int, layers: int, vocab: int = 256):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, emb)
-        self.rnn = nn.LSTM(emb, hidden, num_layers=layers, batch_first=True)
-        self.head = nn.Linear(hidden, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(self.embed(idx))[0])
+def _task(name: str, cell: str, emb: int, hidden: int, batch: int, seq: int) -> tasks.Task:
+    """lr 1e-2: gru_odd's best and a third of lstm's (research/results/high_lr_rnn.md), so the
+    sweep's grid (x0.33 to x10) holds both bests and the lrs above them where Gefen trailed."""
+    label = (
+        f"{cell.upper()} byte LM (embedding {emb}, hidden {hidden}, batch {batch} x {seq} bytes)"
+    )
+    sizes = dict(_SIZES, cell=cell, emb=emb, hidden=hidden, batch=batch, seq=seq)
+    return tasks.Task(name, label, "lm", tasks.Hyper(steps=500, lr=1e-2, evals=10), sizes)
 
 
-# lr 1e-2: gru_odd's best and a third of lstm's (research/results/high_lr_rnn.md), so the sweep's
-# grid (x0.33 to x10) holds both bests and the lrs above them where Gefen was seen to trail
 RECURRENT: tuple[tasks.Task, ...] = (
-    tasks.Task(
-        "gru_odd",
-        "GRU byte LM (embedding 48, hidden 200, batch 4 x 128 bytes)",
-        "lm",
-        tasks.Hyper(steps=500, lr=1e-2, evals=10),
-        dict(_SIZES, cell="gru", emb=48, hidden=200, batch=4, seq=128),
-    ),
-    tasks.Task(
-        "gru_wide",
-        "GRU byte LM (embedding 96, hidden 312, batch 8 x 96 bytes)",
-        "lm",
-        tasks.Hyper(steps=500, lr=1e-2, evals=10),
-        dict(_SIZES, cell="gru", emb=96, hidden=312, batch=8, seq=96),
-    ),
-    tasks.Task(
-        "lstm",
-        "LSTM byte LM (embedding 64, hidden 160, batch 6 x 96 bytes)",
-        "lm",
-        tasks.Hyper(steps=500, lr=1e-2, evals=10),
-        dict(_SIZES, cell="lstm", emb=64, hidden=160, batch=6, seq=96),
-    ),
+    _task("gru_odd", "gru", emb=48, hidden=200, batch=4, seq=128),
+    _task("gru_wide", "gru", emb=96, hidden=312, batch=8, seq=96),
+    _task("lstm", "lstm", emb=64, hidden=160, batch=6, seq=96),
 )
 
 
@@ -79,15 +56,6 @@ def build(t: tasks.Task, seed: int) -> tasks.Instance:
     task's corpus and its fixed validation set."""
     s = t.sizes
     torch.manual_seed(seed)
-    cell = {"gru": tasks.GRULM, "lstm": LSTMLM}[s["cell"]]
-    model = cell(s["emb"], s["hidden"], s["layers"])
-    val = tasks._lm_val(s)
-
-    @torch.no_grad()
-    def evaluate(m: nn.Module) -> dict[str, float]:
-        m.eval()
-        loss = sum(float(tasks._lm_loss(m, b)) for b in val) / len(val)
-        m.train()
-        return dict(val_loss=loss)
-
-    return tasks.Instance(model, tasks._lm_batches(s, seed), tasks._lm_loss, evaluate, {})
+    cell = {"gru": nn.GRU, "lstm": nn.LSTM}[s["cell"]]
+    model = tasks.GRULM(s["emb"], s["hidden"], s["layers"], cell=cell)
+    return tasks.lm_instance(model, s, seed, {})

@@ -226,12 +226,13 @@ class Llama(nn.Module):
 
 
 class GRULM(nn.Module):
-    """Byte-level GRU language model (stacked r/z/n gate matrices: a shape transformers lack)."""
+    """Byte-level GRU language model (stacked r/z/n gate matrices: a shape transformers lack);
+    ``cell=nn.LSTM``: the LSTM one (i/f/g/o gates, 4H rows)."""
 
-    def __init__(self, emb: int, hidden: int, layers: int, vocab: int = 256):
+    def __init__(self, emb: int, hidden: int, layers: int, vocab: int = 256, cell: type = nn.GRU):
         super().__init__()
         self.embed = nn.Embedding(vocab, emb)
-        self.rnn = nn.GRU(emb, hidden, num_layers=layers, batch_first=True)
+        self.rnn = cell(emb, hidden, num_layers=layers, batch_first=True)
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -370,6 +371,21 @@ class Instance:
     """What Adam-mini needs to find attention heads (dim, n_heads, n_kv_heads)."""
 
 
+def lm_instance(model: nn.Module, sizes: dict, seed: int, info: dict) -> Instance:
+    """An LM task's ``Instance``: its batches of the corpus from the seed, the next-byte loss,
+    and the mean val loss over its fixed validation set (every LM task, here and registered)."""
+    val = _lm_val(sizes)
+
+    @torch.no_grad()
+    def evaluate(m: nn.Module) -> dict[str, float]:
+        m.eval()
+        loss = sum(float(_lm_loss(m, b)) for b in val) / len(val)
+        m.train()
+        return dict(val_loss=loss)
+
+    return Instance(model, _lm_batches(sizes, seed), _lm_loss, evaluate, info)
+
+
 def _lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     x, y = batch
     out = model(x)
@@ -409,16 +425,7 @@ def build(task: Task, seed: int) -> Instance:
         raise ValueError(f"unknown task {task.name!r}; known: {', '.join(TASKS)}")
 
     if task.kind == "lm":
-        val = _lm_val(s)
-
-        @torch.no_grad()
-        def evaluate(m: nn.Module) -> dict[str, float]:
-            m.eval()
-            loss = sum(float(_lm_loss(m, b)) for b in val) / len(val)
-            m.train()
-            return dict(val_loss=loss)
-
-        return Instance(model, _lm_batches(s, seed), _lm_loss, evaluate, info)
+        return lm_instance(model, s, seed, info)
 
     _, _, xv, yv = _digits()
 
