@@ -219,7 +219,7 @@ def _slices(
     seg: SegmentState, sums: torch.Tensor, counts: torch.Tensor
 ) -> list[tuple[SegmentState, torch.Tensor, torch.Tensor]]:
     """The parts of a factor normalised apart (``state.cross_groups``), each as a segment of its
-    own slice of v_cross, for the kernels, which normalise what they are given as one."""
+    own slice of v_cross: every backend normalises what it is given as one."""
     k = seg.cross_groups
     if k == 1:
         return [(seg, sums, counts)]
@@ -239,7 +239,10 @@ def _factor(
 ) -> torch.Tensor:
     """A segment's factor from its tensor's sums: the C++ kernel's own pass where it updates the
     segment, the reference's elsewhere."""
-    if impl == "cpu":
-        parts = [native_cpu.cross_factor(sub, h, s, c) for sub, s, c in _slices(seg, sums, counts)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-    return cross_factor(seg, h, cross_mean(sums, counts))
+    parts = [
+        native_cpu.cross_factor(sub, h, s, c)
+        if impl == "cpu"
+        else cross_factor(sub, h, cross_mean(s, c))
+        for sub, s, c in _slices(seg, sums, counts)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

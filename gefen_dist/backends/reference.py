@@ -156,19 +156,14 @@ def cross_factor(st: SegmentState, h: Hyper, mean_sq: torch.Tensor) -> torch.Ten
     before this one left it, or, where those left it all zero, from this step's fold; then this
     step's mean g^2 per entry folded into ``st.v_cross``. Every rank holding a piece of the
     tensor gets the same ``mean_sq`` (the optimizer sums ``cross_sums`` over them), hence the
-    same v_cross. With ``st.cross_groups`` slices (``state.cross_groups``: the matrices of a
-    batch), each slice is normalised by its own mean."""
-    v = st.v_cross if st.cross_groups == 1 else st.v_cross.view(st.cross_groups, -1)
-
-    def mean(x: torch.Tensor) -> torch.Tensor:
-        return x.mean() if st.cross_groups == 1 else x.mean(dim=1, keepdim=True)
-
-    before = mean(v)
-    c = v / torch.where(before > 0, before, torch.ones_like(before))
+    same v_cross. A factor normalised per matrix (``state.cross_groups``) comes here a slice at
+    a time (``cross._slices``)."""
+    before = st.v_cross.mean()
+    c = st.v_cross / torch.where(before > 0, before, torch.ones_like(before))
     st.v_cross.mul_(h.beta2).add_(mean_sq, alpha=1.0 - h.beta2)
-    total = mean(v)
-    first = v / torch.where(total > 0, total, torch.ones_like(total))
-    c = torch.where(before > 0, c, first).reshape(-1)
+    total = st.v_cross.mean()
+    first = st.v_cross / torch.where(total > 0, total, torch.ones_like(total))
+    c = torch.where(before > 0, c, first)
     return c.clamp_(min=CROSS_FLOOR).sqrt_().div_(h.bc2_sqrt)
 
 

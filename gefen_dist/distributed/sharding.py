@@ -181,13 +181,13 @@ def check_layout(p: torch.Tensor, name: str) -> None:
             )
     first = _first_shard(p)
     mesh = p.device_mesh
-    if first is not None and first > 0 and mesh.ndim - first > 1:
-        if not mesh.mesh_dim_names:  # _inner_group flattens by name
-            raise ValueError(
-                f"{name} has {layout(p)}: Gefen makes one group of the mesh dimensions from "
-                "the first that shards the tensor on, which needs the mesh's dimension names "
-                "(init_device_mesh(..., mesh_dim_names=...))"
-            )
+    # _inner_group flattens by name
+    if first is not None and first > 0 and mesh.ndim - first > 1 and not mesh.mesh_dim_names:
+        raise ValueError(
+            f"{name} has {layout(p)}: Gefen makes one group of the mesh dimensions from "
+            "the first that shards the tensor on, which needs the mesh's dimension names "
+            "(init_device_mesh(..., mesh_dim_names=...))"
+        )
     if first is not None and first > 1:
         raise ValueError(
             f"{name} has {layout(p)}: Gefen supports one replicate dimension before the "
