@@ -42,9 +42,10 @@ change; the marker records the mesh that saved), through the framework's own loa
 that re-cuts Gefen's state: DeepSpeed's ``engine.load_checkpoint`` (re-cut by
 ``gefen_dist.integrations.deepspeed``) and Accelerate's ``load_state`` (DDP, or DeepSpeed;
 Accelerate's FSDP, which runs only on GPUs and is untested here, is refused). FSDP2, HSDP and
-FSDP1 read their DCP checkpoint whole (``gefen_dist.checkpoint.read_dcp``): FSDP2 and HSDP
-reshard the model through DCP and re-cut Gefen's consolidated state, FSDP1 loads the whole model and
-optimizer dicts through ``FSDP.optim_state_dict_to_load``. ``docs/checkpoints.md`` says how
+FSDP1 load their DCP checkpoint through DCP: FSDP2 and HSDP reshard the model and Gefen's state
+(kept in global coordinates, ``gefen_dist.integrations.dcp``) with DCP's own load; FSDP1 reads
+it whole (``gefen_dist.checkpoint.read_dcp``) and loads the whole model and optimizer dicts
+through ``FSDP.optim_state_dict_to_load``. ``docs/checkpoints.md`` says how
 close each is. Each rank keeps the step, the lr schedule and the curve, and draws its batches
 from a generator seeded by the seed, the step and its new rank, since the old ranks' streams
 do not map onto new ones.

@@ -152,12 +152,12 @@ def test_a_consolidated_state_of_another_bit_width_or_model_is_refused_by_name(r
         checkpoint.load_optimizer(Gefen(wide.named_parameters(), bits=BITS), wide, tree["optim"])
 
 
-def test_a_missing_rank_is_refused_by_name(runs):
+def test_a_missing_piece_is_refused_by_name(runs):
     saved, _, files = runs
     tree = checkpoint.read_dcp(files["fsdp2x2"].with_suffix("") / "dcp")
-    where, entry = checkpoint.gefen_entries(tree)[4]
-    del entry["gefen.rank1"]
-    with pytest.raises(
-        ValueError, match=rf"{where}: the checkpoint lacks the state of rank\(s\) \[1\] of 2"
-    ):
+    where, entry = next((w, e) for w, e in checkpoint.gefen_entries(tree) if "codes" in e)
+    second = max((k for k in entry if k.startswith("pieces.")), key=lambda k: int(k.split(".")[1]))
+    start = int(second.split(".")[1])
+    del entry[second]
+    with pytest.raises(ValueError, match=rf"{where}: .*no state for elements \[{start}, "):
         checkpoint.consolidate(tree)

@@ -188,29 +188,42 @@ def test_full_state_dict_carries_every_ranks_packed_state(ck):
     assert payload["tensors"]["codebook"].numel() == 16  # 4-bit run
 
 
-def test_dcp_keeps_one_entry_per_rank(ck):
-    """DCP would keep one rank's copy of a plain tensor saved under the same key by all ranks."""
+def test_dcp_keeps_every_ranks_block_values(ck):
+    """DCP keeps one copy of a plain tensor that all ranks save under one key: each rank's
+    block values are therefore keyed by the elements it holds, and the codes are a DTensor
+    with the parameter's shape (``integrations.dcp``)."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    head = "optim.state.transformer.h.0.attn.c_attn.weight."
+    numel = 192 * 64
     for setup in ("fsdp2", "fsdp2_accelerate"):
         meta = FileSystemReader(str(ck["dir"] / f"gpt-{setup}-dcp" / "dcp")).read_metadata()
         keys = meta.state_dict_metadata
-        for r in (0, 1):
-            assert f"optim.state.transformer.h.0.attn.c_attn.weight.gefen.rank{r}" in keys
+        for start in (0, numel // 2):
+            for field in ("pieces", "v", "absmax"):
+                assert f"{head}{field}.{start}.{numel // 2}" in keys, setup
+        codes = keys[head + "codes"]
+        assert isinstance(codes, TensorStorageMetadata) and tuple(codes.size) == (192, 64)
+        assert len(codes.chunks) == 2 and codes.properties.dtype == torch.uint8
 
 
-def test_a_rank_entry_from_another_run_is_refused(ck):
+def test_state_from_another_run_is_refused(ck):
+    """A loader that keeps this rank's own values for keys the checkpoint lacks: FSDP2's block
+    pieces carry the run id (``integrations.dcp``)."""
     for r in ck["resume"]:
-        assert "not the one saved with this checkpoint" in r["template_leak"]
+        assert "from another run" in r["template_leak"]
+        assert "the loader kept this rank's own value" in r["template_leak"]
 
 
 def test_loading_on_another_world_size_fails_naming_the_problem(ck):
     """A full FSDP1 state dict carries every rank's entry and loads at another world size
-    (how well: tests/test_fsdp_elastic.py); a sharded one loaded as it is holds one rank's."""
+    (how well: tests/test_fsdp_elastic.py), as does FSDP2's DCP checkpoint, whose state is in
+    global coordinates (tests/test_dcp_reshard.py); an FSDP1 sharded one holds one rank's."""
     (w1,) = ck["world1"]
     assert len(w1) == 7
     for case, res in w1.items():
-        if case.endswith("/full"):
+        if case.endswith("/full") or case.startswith("gpt/fsdp2"):
             assert res["error"] is None, case
             continue
         assert (

@@ -192,16 +192,30 @@ def test_every_rank_agrees_on_the_run_id(ck, case):
     assert len({r[case]["run"] for r in ck["save"]}) == 1
 
 
-def test_dcp_keys_rank_entries_by_the_rank_in_the_shard_group(ck):
+def test_dcp_keys_name_no_rank_and_one_shard_groups_pieces(ck):
+    """FSDP2's HSDP writes each parameter's state in global coordinates: its block values by
+    the element ranges of the shard group's two pieces, the same from both replica groups;
+    FSDP1 HYBRID_SHARD keeps one entry per rank of the shard group."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    for case in ("gpt-hsdp2-dcp", "gpt-hybrid_orig-dcp"):
-        meta = FileSystemReader(str(ck["dir"] / case / "dcp")).read_metadata()
-        prefix = "optim.state.transformer.h.0.attn.c_attn.weight.gefen.rank"
-        ranks = sorted(k[len(prefix) :] for k in meta.state_dict_metadata if k.startswith(prefix))
-        assert ranks == ["0", "1"], case
+    head = "optim.state.transformer.h.0.attn.c_attn.weight."
+    meta = FileSystemReader(str(ck["dir"] / "gpt-hsdp2-dcp" / "dcp")).read_metadata()
+    keys = [k[len(head) :] for k in meta.state_dict_metadata if k.startswith(head)]
+    assert not any(k.startswith("gefen.rank") for k in keys)
+    ranges = sorted(k[len("pieces.") :] for k in keys if k.startswith("pieces."))
+    numel = 192 * 64
+    assert ranges == [f"0.{numel // 2}", f"{numel // 2}.{numel // 2}"]
+    meta = FileSystemReader(str(ck["dir"] / "gpt-hybrid_orig-dcp" / "dcp")).read_metadata()
+    ranks = sorted(
+        k[len(head + "gefen.rank") :]
+        for k in meta.state_dict_metadata
+        if k.startswith(head + "gefen.rank")
+    )
+    assert ranks == ["0", "1"]
 
 
-def test_loading_into_other_shard_boundaries_is_refused(ck):
+def test_an_hsdp_checkpoint_loads_into_other_shard_boundaries(ck):
+    """FSDP2 over all 4 ranks reads the 2-piece HSDP checkpoint with plain DCP (how close:
+    tests/test_dcp_reshard.py)."""
     for r in ck["resume"]:
-        assert "Missing key" in r["other_layout"] and "gefen.rank2" in r["other_layout"]
+        assert r["other_layout"] is None, r["other_layout"]

@@ -673,8 +673,8 @@ DCP_DAMAGES = [
     "NaN in every codebook",
     "bit flips in rank 1's v, absmax, v_cross, codes",
     "step NaN",
-    "rank 1's entry dropped",
-    "rank 1's packed state truncated",
+    "rank 1's block values dropped",
+    "rank 1's v truncated",
     "random codes on rank 0",
     "undamaged",
 ]

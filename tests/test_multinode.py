@@ -129,13 +129,19 @@ def test_each_rank_keeps_its_pieces_state_below_adamws(runs):
 
 
 @pytest.mark.dist
-def test_the_checkpoint_keys_rank_entries_within_a_node(runs):
+def test_the_checkpoint_keys_the_pieces_of_one_nodes_shards(runs):
+    """Gefen's state in global coordinates (``integrations.dcp``): no rank in a key, and block
+    values by the element ranges of a node's two shards, which both nodes write alike."""
     from torch.distributed.checkpoint import FileSystemReader
 
     (step,) = sorted(runs["ck"].glob("step_*"))
     keys = FileSystemReader(str(step / "dcp")).read_metadata().state_dict_metadata
-    ranks = {k.rsplit(".", 1)[1] for k in keys if ".gefen.rank" in k}
-    assert ranks == {"rank0", "rank1"}
+    assert not any(".gefen.rank" in k for k in keys)
+    heads = {k[: k.index(".pieces.")] for k in keys if ".pieces." in k}
+    assert heads
+    for head in heads:
+        ranges = [k[len(head) + len(".pieces.") :] for k in keys if k.startswith(head + ".pieces.")]
+        assert len(ranges) <= PER_NODE, ranges
 
 
 # -- the mesh key ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..integrations import dcp as dcp_fields
 from ..integrations import fsdp
 from ..method import portable
 from ..method.segments import whole_tensor
@@ -29,6 +30,12 @@ from ..method.segments import whole_tensor
 __all__ = ["consolidate", "gefen_entries", "load_optimizer", "read_dcp"]
 
 _RANK_PREFIX = "gefen.rank"
+_MARKS = (_RANK_PREFIX, dcp_fields.FORMAT_KEY)
+
+
+def _is_entry(tree: Mapping) -> bool:
+    """A parameter's Gefen state in either format: per-rank entries, or global fields."""
+    return any(isinstance(k, str) and k.startswith(_MARKS) for k in tree)
 
 
 def read_dcp(path: str | Path, prefix: str = "") -> dict[str, Any]:
@@ -57,9 +64,10 @@ def _flat_groups(tree: Mapping) -> dict[str, dict[str, Any]]:
     (``state.fc.weight.gefen.rank0``), not as a nested dict per parameter. Keyed by
     ``state.{fqn}``, each with the names under it."""
     heads = {
-        k[: k.index("." + _RANK_PREFIX)]
+        k[: k.index("." + mark)]
         for k in tree
-        if isinstance(k, str) and ("." + _RANK_PREFIX) in k
+        for mark in _MARKS
+        if isinstance(k, str) and ("." + mark) in k
     }
     out: dict[str, dict[str, Any]] = {h: {} for h in heads}
     for k, v in tree.items():
@@ -75,7 +83,7 @@ def gefen_entries(tree: Any, where: str = "") -> list[tuple[str, dict]]:
     path ('optim.state.fc.weight'), also in flat dicts (``_flat_groups``)."""
     out = []
     if isinstance(tree, Mapping):
-        if any(isinstance(k, str) and k.startswith(_RANK_PREFIX) for k in tree):
+        if _is_entry(tree):
             return [(where, tree)]
         for head, entry in _flat_groups(tree).items():
             out.append((f"{where}.{head}" if where else head, entry))
@@ -88,6 +96,11 @@ def gefen_entries(tree: Any, where: str = "") -> list[tuple[str, dict]]:
 def consolidate_entry(entry: Mapping[str, Any], where: str) -> dict[str, torch.Tensor] | None:
     """One parameter's per-rank entries as the single-process state of the whole tensor, or
     None where no rank had stepped it. Every rank of the saving world must be there."""
+    if dcp_fields.FORMAT_KEY in entry:
+        field = next((entry[k] for k in ("codes", "exp_avg") if k in entry), None)
+        if field is None:
+            return None
+        return dcp_fields.whole_state(entry, tuple(field.shape), where)
     keys = sorted((k for k in entry if k.startswith(_RANK_PREFIX)), key=lambda k: int(k[10:]))
     payloads = [fsdp.read_entry(entry[k], k, where) for k in keys]
     world = {p["world_size"] for p in payloads}
@@ -124,7 +137,7 @@ def consolidate(tree: Any) -> tuple[Any, list[str]]:
     def walk(t: Any, where: str) -> Any:
         if not isinstance(t, Mapping):
             return t
-        if any(isinstance(k, str) and k.startswith(_RANK_PREFIX) for k in t):
+        if _is_entry(t):
             done.append(where)
             return consolidate_entry(t, where) or {}
         flat = _flat_groups(t)

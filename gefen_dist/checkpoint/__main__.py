@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "inspect":
         for where, entry in gefen_entries(tree):
             ranks = sorted(k for k in entry if k.startswith("gefen.rank"))
-            print(f"{where}: {len(ranks)} rank entries")
+            ranges = sorted(k for k in entry if k.startswith("pieces."))
+            if ranks:
+                print(f"{where}: {len(ranks)} rank entries")
+            else:
+                print(f"{where}: global fields, {len(ranges)} saved ranges")
         return 0
     out, done = consolidate(tree)
     torch.save(out, a.out)

@@ -99,6 +99,7 @@ from ..method import portable
 from ..method.segments import Segment, by_matrix, decode, encode, whole_tensor
 from ..method.state import STATE_KEYS
 from ..optimizer import Gefen
+from . import dcp as dcp_fields
 
 __all__ = ["configure", "configure_found", "merge_entries", "read_entry", "RANK_KEY"]
 
@@ -244,6 +245,7 @@ def configure(model: nn.Module | None, optimizer: Gefen) -> None:
     group = optimizer.process_group or next(iter(integ.sharded.values()))
     integ.run = _run_id(group, integ.replicas)
     optimizer.attach("fsdp", integ)
+    dcp_fields.extend_default_planner()
     optimizer.register_state_dict_post_hook(_pack_state_dict)
     optimizer.register_load_state_dict_pre_hook(_unpack_state_dict, prepend=True)
 
@@ -460,6 +462,9 @@ def _pack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]:
             else:
                 state[idx] = whole
             continue
+        if dcp_fields.global_fields(p):
+            state[idx] = dcp_fields.fields(p, st, opt.segments_of(p), integ.run)
+            continue
         # A DTensor parameter's codebook stays a tensor: the same on every rank, so DCP's
         # de-duplication is right for it, and DCP's full-state loader needs one tensor per entry.
         outside = ("codebook",) if st is not None and sharding.is_dtensor(p) else ()
@@ -590,10 +595,17 @@ def _unpack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]
             # pre-hook cuts this rank's piece from it (portable.fit)
             state[pid] = {k: v for k, v in st.items() if not str(k).startswith("gefen.")}
             continue
+        name = integ.names.get(p) or opt.name_of(p)
+        if dcp_fields.FORMAT_KEY in st:
+            loaded = _from_fields(opt, p, st, name)
+            if loaded is None:
+                del state[pid]
+            else:
+                state[pid] = loaded
+            continue
         ranks = sorted(k for k in st if isinstance(k, str) and k.startswith("gefen.rank"))
         if not ranks:
             continue
-        name = integ.names.get(p) or opt.name_of(p)
         if p not in integ.sharded:
             raise ValueError(
                 f"the checkpoint holds per-rank Gefen state ({', '.join(ranks)}) for {name}, "
@@ -613,6 +625,20 @@ def _unpack_state_dict(opt: Gefen, state_dict: dict[str, Any]) -> dict[str, Any]
         else:
             state[pid] = loaded
     return {**state_dict, "state": state}
+
+
+def _from_fields(
+    opt: Gefen, p: torch.Tensor, st: dict[str, Any], name: str
+) -> dict[str, torch.Tensor] | None:
+    """A parameter's state from global fields (``integrations.dcp``), at this rank's layout."""
+    if not dcp_fields.global_fields(p):
+        raise ValueError(
+            f"the checkpoint holds Gefen state in global coordinates for {name}, which this run "
+            f"lays out as {sharding.layout(p)}: only FSDP2 and HSDP (Shard(0) and Replicate "
+            "placements) read it; consolidate it first (gefen_dist.checkpoint.consolidate)"
+        )
+    segs = opt.segments_of(p)
+    return dcp_fields.restore(st, dcp_fields.rows_of(p), segs, tuple(p.shape), name)
 
 
 def _saved_by(blob: Any, key: str, name: str) -> tuple[int, int]:

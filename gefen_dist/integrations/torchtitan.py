@@ -19,22 +19,21 @@ groups may mix them (``ParamGroupConfig(pattern=r"norm", optimizer_name="AdamW",
 carries Gefen's state through torchtitan's flat, FQN-keyed optimizer state dict. Why it has to:
 torchtitan's ``load_flat_optim_state_dict`` asks the live optimizer which state names to look up
 (``state.{fqn}.{name}`` for each name in ``optim.state[p]``). Under FSDP2 Gefen's state dict
-holds, per parameter, this rank's state as one ``gefen.rank{r}`` entry (``integrations.fsdp``),
-not the live names (codes, v, ...), so the stock loader would find the step and codebook only,
-not the state itself. For Gefen's optimizers this container reads back every key saved under a
-parameter's prefix; for the others it is torchtitan's.
+holds, per parameter, names the live state does not have (``v.{start}.{numel}`` per saved range,
+``integrations.dcp``; ``gefen.rank{r}`` entries for other layouts, ``integrations.fsdp``), so the
+stock loader would find the step and codebook only, not the state itself. For Gefen's
+optimizers this container reads back every key saved under a parameter's prefix; for the others
+it is torchtitan's.
 
 Checkpoints. torchtitan's ``CheckpointManager`` saves ``{"optimizer": container, ...}`` with
-``dcp.save``; each rank writes its ``gefen.rank{r}`` entries, and a resume at the same world size
-and sharding loads each rank's own: bit for bit. A resume at another world size needs every
-saved rank's entries of a parameter to cut the new rank's piece (``method.portable``), while a
-DCP load reads only the keys of the loading rank's template. ``GefenCheckpointManager`` reads
-the checkpoint's metadata before loading and asks the container to put every saved rank's entry
-key in its template, so DCP reads them all and Gefen recuts: 2 -> 1, 1 -> 2, 2 -> 4 ranks, with
-the stock manager's config fields. Its cost: during the load each rank holds every saved rank's
-entries of every parameter, the whole checkpoint's optimizer state, until Gefen has cut its own
-piece. The plain ``CheckpointManager`` works at the same world size and refuses another one,
-naming the missing ranks.
+``dcp.save``. Gefen's state of FSDP2 and HSDP parameters is in their global coordinates
+(``integrations.dcp``), and DCP's ``DefaultLoadPlanner``, which torchtitan's ``dcp.load`` uses,
+fits Gefen's part of the template to the checkpoint before it reads (``dcp.fit_template``), in
+torchtitan's flat dict as in a nested one: a resume at the same world size is bit for bit, and
+one at another world size reads only each rank's new piece and the saved block values around
+it. The stock ``CheckpointManager`` is all a job needs; ``GefenCheckpointManager`` is kept for
+configs that name it, and is torchtitan's. Checkpoints in the older per-rank format
+(``gefen.rank{r}`` entries) load too: the template then asks for every saved rank's entry.
 
 Importing this module does not import torchtitan; its classes are made on first use
 (``__getattr__``), so ``gefen_dist`` imports and documents without torchtitan installed.
@@ -42,7 +41,6 @@ Importing this module does not import torchtitan; its classes are made on first 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +54,6 @@ __all__ = [  # noqa: F822
     "GefenCheckpointManager",
     "GefenOptimizersContainer",
     "gefen_optimizers",
-    "saved_entries",
     "NAME",
 ]
 
@@ -64,7 +61,6 @@ NAME = "Gefen"
 """The ``optimizer_name`` of a ``ParamGroupConfig`` that ``GefenOptimizersContainer`` builds
 with Gefen."""
 
-_ENTRY = re.compile(r"^state\.(?P<fqn>.+)\.gefen\.rank(?P<rank>\d+)$")
 _classes: dict[str, type] = {}
 
 
@@ -98,7 +94,7 @@ def gefen_optimizers(
 
 
 def _make_classes() -> None:
-    from torchtitan.components.checkpointer import OPTIMIZER, CheckpointManager
+    from torchtitan.components.checkpointer import CheckpointManager
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.components.optimizer.utils import (
         get_flat_optim_state_dict,
@@ -118,32 +114,17 @@ def _make_classes() -> None:
             ``implementation`` ("fused" by default) reaches Gefen as ``fused``/``foreach``,
             which Gefen accepts and ignores."""
 
-        def __init__(self, config: Any, *, model_parts: list) -> None:
-            self._saved_entries: set[str] = set()
-            super().__init__(config, model_parts=model_parts)
-
         @staticmethod
         def _resolve_optimizer_factory(name: str) -> Any:
             if name == NAME:
                 return Gefen
             return OptimizersContainer._resolve_optimizer_factory(name)
 
-        def expect_saved_entries(self, keys: set[str]) -> None:
-            """Make the next ``state_dict()``, the template a DCP load fills, ask for these
-            flat keys (``state.{fqn}.gefen.rank{r}``: every saved rank's entries) in place of
-            this rank's own, for the parameters of this container's Gefen optimizers
-            (``_as_saved``); ``load_state_dict`` clears them. What ``GefenCheckpointManager``
-            calls before a load."""
-            self._saved_entries = set(keys)
-
         def state_dict(self) -> dict[str, Any]:
             out: dict[str, Any] = {}
             for optim in self.optimizers:
                 init_optim_state(optim)
-                flat = get_flat_optim_state_dict(optim)
-                if isinstance(optim, Gefen) and self._saved_entries:
-                    flat = _as_saved(optim, flat, self._saved_entries)
-                out.update(flat)
+                out.update(get_flat_optim_state_dict(optim))
             return out
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -153,28 +134,14 @@ def _make_classes() -> None:
                     optim.load_state_dict(_unflatten(optim, state_dict))
                 else:
                     load_flat_optim_state_dict(optim, state_dict)
-            self._saved_entries = set()
 
     class GefenCheckpointManager(CheckpointManager):
-        """torchtitan's DCP ``CheckpointManager`` that resumes Gefen's state at another world
-        size: before each DCP load it reads the checkpoint's metadata and has the optimizer
-        container ask for every saved rank's entry (module docstring: what that costs)."""
+        """torchtitan's ``CheckpointManager``, kept for job configs that name it: DCP's default
+        planner now fits Gefen's template itself (module docstring)."""
 
         @dataclass(kw_only=True, slots=True)
         class Config(CheckpointManager.Config):
             """``CheckpointManager.Config``; its ``build`` makes a ``GefenCheckpointManager``."""
-
-        def dcp_load(
-            self,
-            state_dict: dict[str, Any],
-            checkpoint_id: str,
-            from_hf: bool,
-            from_quantized: bool,
-        ) -> None:
-            opt = state_dict.get(OPTIMIZER)
-            if not from_hf and isinstance(opt, GefenOptimizersContainer):
-                opt.expect_saved_entries(saved_entries(checkpoint_id, OPTIMIZER))
-            super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
 
     for cls in (GefenOptimizersContainer, GefenCheckpointManager):
         cls.__module__ = __name__
@@ -183,40 +150,6 @@ def _make_classes() -> None:
         GefenOptimizersContainer=GefenOptimizersContainer,
         GefenCheckpointManager=GefenCheckpointManager,
     )
-
-
-def saved_entries(checkpoint_id: str, prefix: str = "optimizer") -> set[str]:
-    """The flat keys (``state.{fqn}.gefen.rank{r}``) of every Gefen per-rank entry that the DCP
-    checkpoint at ``checkpoint_id`` holds under ``prefix``, read from its metadata alone."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    keys = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
-    head = f"{prefix}."
-    return {k[len(head) :] for k in keys if k.startswith(head) and _ENTRY.match(k[len(head) :])}
-
-
-def _as_saved(optim: Gefen, flat: dict[str, Any], saved: set[str]) -> dict[str, Any]:
-    """``flat`` as the template of a load from a checkpoint holding the entry keys ``saved``:
-    for each of ``optim``'s parameters that the checkpoint holds entries of, this rank's own
-    entry keys give way to the saved ones (empty placeholders, which DCP replaces with the
-    saved bytes). A rank of a larger world than the saving one has a key the checkpoint lacks
-    (``gefen.rank3`` of 4 where 2 saved), which DCP would refuse as missing."""
-    from .fsdp import Entry
-
-    mine = {fqn for g in optim.param_groups for fqn in g.get("param_names", ())}
-    by_fqn: dict[str, list[str]] = {}
-    for key in saved:
-        m = _ENTRY.match(key)
-        if m and m["fqn"] in mine:
-            by_fqn.setdefault(m["fqn"], []).append(key)
-    out = {}
-    for key, value in flat.items():
-        m = _ENTRY.match(key)
-        if m is None or m["fqn"] not in by_fqn:
-            out[key] = value
-    for keys in by_fqn.values():
-        out.update({k: Entry(b"") for k in keys})
-    return out
 
 
 def _unflatten(optim: Gefen, flat: dict[str, Any]) -> dict[str, Any]:
@@ -274,6 +207,6 @@ def _names(group: dict[str, Any]) -> list[str]:
 
 
 def _empty_entry(value: Any) -> bool:
-    """A placeholder the checkpoint did not fill (``_as_saved``) is left out, so that the
+    """A placeholder the checkpoint did not fill (``dcp.fit_template``) is left out, so that the
     FSDP integration names the missing ranks rather than reading empty bytes."""
     return isinstance(value, bytes) and len(value) == 0

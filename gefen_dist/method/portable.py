@@ -62,6 +62,9 @@ class Piece:
     v: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
+    codes_at: int | None = None
+    """The element ``codes[0]`` holds, where ``codes`` is not the piece's own (None: ``start``):
+    a loader's codes for its own elements, already at its layout (``integrations.dcp``)."""
 
 
 @dataclass
@@ -234,7 +237,8 @@ def restore(ts: TensorState, start: int, numel: int) -> dict[str, torch.Tensor]:
             count.index_add_(0, new, torch.ones(hi - lo, dtype=torch.float64))
             amax.scatter_reduce_(0, new, p.absmax[old], "amax")
             saved_amax[lo - start : hi - start] = p.absmax[old]
-            codes[lo - start : hi - start] = p.codes[lo - p.start : hi - p.start]
+            at = p.start if p.codes_at is None else p.codes_at
+            codes[lo - start : hi - start] = p.codes[lo - at : hi - at]
     v = (v_sum / count).float()
     mids = midpoints(levels)
     for lo in range(0, numel, CHUNK):

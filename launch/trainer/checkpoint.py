@@ -192,15 +192,29 @@ def saved_world(d: Path) -> int:
 
 
 def load_elsewhere(dcp_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    """An FSDP2 checkpoint of another world size: the model through DCP, which reshards
-    DTensors itself, and Gefen's state consolidated from every saved rank and re-cut for this
-    rank's pieces (``gefen_dist.checkpoint``). Every rank reads the whole optimizer state once
-    (0.5-1 byte per parameter)."""
+    """An FSDP2 or HSDP checkpoint of another world size or mesh. Gefen's state of parameters
+    sharded on dim 0 is in global coordinates (``gefen_dist.integrations.dcp``), which DCP's
+    own load reshards: each rank reads its new piece and the saved block values around it.
+    A checkpoint that holds per-rank entries (tensor parallelism, or one saved before the
+    format changed: docs/history.md) is consolidated from every saved rank and re-cut for this
+    rank's pieces (``gefen_dist.checkpoint``): every rank reads the whole optimizer state once."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     from gefen_dist import checkpoint
 
+    keys = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    if not any(".gefen.rank" in k for k in keys):
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(dcp_dir))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        return
     msd = get_model_state_dict(model)
     dcp.load({"model": msd}, checkpoint_id=str(dcp_dir))
     set_model_state_dict(model, msd)

@@ -14,7 +14,6 @@ and what ``gefen_dist.check_gradients`` says on each rank when one rank's gradie
 
 from __future__ import annotations
 
-import io
 import math
 import shutil
 import sys
@@ -24,34 +23,48 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsdp_common import batch, full_params, gefen, init, rows, train, wrap, write
+from teardown import finish
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import gefen_dist
-from gefen_dist.method import load_check
-from teardown import finish
 
 PARAM = "transformer.h.0.mlp.c_proj.weight"  # blocks of 256, factored: v_cross on both ranks
 DENSE = "transformer.ln_f.weight"  # B = 1: exp_avg, exp_avg_sq
 
 
-def _payload(blob: bytes) -> dict:
-    return torch.load(io.BytesIO(blob), weights_only=True)
-
-
-def _blob(payload: dict) -> bytes:
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    return buf.getvalue()
-
-
 def _tensors(entry: dict, rank: int, fn) -> None:
-    """Apply ``fn`` to the tensors of ``rank``'s packed Gefen state in one checkpoint entry."""
-    key = f"gefen.rank{rank}"
-    payload = _payload(entry[key])
-    fn(payload["tensors"])
-    entry[key] = _blob(payload)
+    """Apply ``fn`` to what ``rank`` saved of one parameter's Gefen state (global fields,
+    ``gefen_dist.integrations.dcp``): its range's v and absmax, its rows of the per-element
+    fields, and the shared v_cross, as one dict of the live names."""
+    ranges = sorted((k[len("pieces.") :] for k in entry if k.startswith("pieces.")),
+                    key=lambda r: int(r.split(".")[0]))  # fmt: skip
+    view, rows = {}, None
+    if ranges:
+        key = ranges[rank]
+        view.update(v=entry[f"v.{key}"], absmax=entry[f"absmax.{key}"])
+    for name in ("codes", "exp_avg", "exp_avg_sq"):
+        if name in entry:
+            rows = torch.chunk(torch.arange(entry[name].shape[0]), 2)[rank]
+            view[name] = entry[name][rows].clone()
+    if "v_cross" in entry:
+        view["v_cross"] = entry["v_cross"]
+    fn(view)
+    if ranges:
+        entry[f"v.{key}"], entry[f"absmax.{key}"] = view["v"], view["absmax"]
+    for name in ("codes", "exp_avg", "exp_avg_sq"):
+        if name in view:
+            entry[name] = entry[name].clone()
+            entry[name][rows] = view[name]
+    if "v_cross" in view:
+        entry["v_cross"] = view["v_cross"]
+
+
+def _range_key(entry: dict, rank: int) -> str:
+    ranges = sorted((k[len("pieces.") :] for k in entry if k.startswith("pieces.")),
+                    key=lambda r: int(r.split(".")[0]))  # fmt: skip
+    return ranges[rank]
 
 
 def _set(t: torch.Tensor, i: int, value: float) -> torch.Tensor:
@@ -125,8 +138,15 @@ def _every_codebook(state):
             e["codebook"] = _set(e["codebook"], 2, math.nan)
 
 
-def _truncated_blob(e):
-    e["gefen.rank1"] = e["gefen.rank1"][: len(e["gefen.rank1"]) // 2]
+def _truncated_grid(e):
+    key = _range_key(e, 1)
+    e[f"v.{key}"] = e[f"v.{key}"][: e[f"v.{key}"].numel() // 2].clone()
+
+
+def _dropped(e):
+    key = _range_key(e, 1)
+    for field in ("pieces", "v", "absmax"):
+        del e[f"{field}.{key}"]
 
 
 # name: (damage, what must happen): "dcp": DCP's reader refuses it on every rank, before Gefen
@@ -152,8 +172,8 @@ DAMAGES = {
         "either",
     ),
     "step NaN": (_entry(PARAM, lambda e: e.update(step=torch.tensor(math.nan))), (PARAM, None)),
-    "rank 1's entry dropped": (_entry(PARAM, lambda e: e.pop("gefen.rank1")), "dcp"),
-    "rank 1's packed state truncated": (_entry(PARAM, _truncated_blob), (PARAM, None)),
+    "rank 1's block values dropped": (_entry(PARAM, _dropped), (PARAM, None)),
+    "rank 1's v truncated": (_entry(PARAM, _truncated_grid), (PARAM, None)),
     "random codes on rank 0": (_entry(PARAM, lambda e: _tensors(e, 0, _codes_random)), "load"),
     "undamaged": (_values(lambda state: None), "load"),
 }

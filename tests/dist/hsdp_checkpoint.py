@@ -46,8 +46,8 @@ def setup_run(kind: str, setup: str, bits: int):
 
 
 def other_layout(kind: str, d: Path, bits: int) -> str | None:
-    """The HSDP checkpoint into FSDP2 over all 4 ranks: refused, by DCP ("Missing key", as
-    ranks 2 and 3 of a 2-rank shard group never saved) or by Gefen's own check."""
+    """The HSDP checkpoint into FSDP2 over all 4 ranks, other shard boundaries: DCP reads the
+    state in global coordinates (``integrations.dcp``); the error, where one is raised."""
     model, opt = setup_run(kind, "fsdp2_world", bits)
     try:
         load(model, opt, "dcp", d)

@@ -1,0 +1,401 @@
+"""Gefen's state in each parameter's global coordinates, which DCP reshards by itself.
+
+A DTensor parameter whose local piece is one run of its rows (FSDP2 and HSDP: every placement
+``Shard(0)`` or ``Replicate()``) is saved under keys that name no rank:
+
+- ``gefen.format``: ``[2, run id]``, the same on every rank;
+- ``step``, ``codebook``, ``block`` (the block size), ``v_cross`` (where the tensor keeps
+  one): plain tensors every rank holds alike, so DCP keeps one copy;
+- per element, DTensors with the parameter's shape and placements: ``codes`` (one code per
+  byte, so that any row boundary cuts no byte), or ``exp_avg`` and ``exp_avg_sq`` where
+  B = 1; DCP reads any saved layout into any new one, exactly;
+- per block piece, named by the global element range ``{start}.{numel}`` of the saving rank's
+  piece: ``v.{range}`` and ``absmax.{range}`` (the pieces' values, in element order) and
+  ``pieces.{range}`` (their ``(start, numel, run)`` rows). A block that a saving boundary cut
+  is saved as its two pieces; the loader merges or splits them by ``method.portable``'s rules
+  (element-weighted mean of v, max of absmax, codes requantised), so a resume at the saving
+  layout is bit for bit and one at another layout has the drift of ``docs/checkpoints.md``.
+
+The template problem. DCP loads the keys of a template, which ``get_state_dict`` builds on a
+fresh optimizer with a zero-gradient step, and the saved structure (block size, which keys
+exist, the saving layout's ranges) is chosen from the first real gradients, so no template
+built without the checkpoint names the right keys. ``fit_template`` rewrites each Gefen
+parameter's part of a template from the checkpoint's metadata, before DCP plans its reads: a
+rank asks for the per-element fields at its own layout and for the per-block ranges that
+overlap its rows, nothing else, so no rank reads more than its new shard plus the saved
+pieces at its two ends. ``LoadPlanner`` does that for ``dcp.load(..., planner=LoadPlanner())``;
+and because loaders that build their own ``DefaultLoadPlanner`` (Accelerate's FSDP2 load,
+torchtitan's ``CheckpointManager``, ``dcp.load`` without a planner) cannot be handed one,
+``extend_default_planner`` makes ``DefaultLoadPlanner.set_up_planner`` call ``fit_template``
+first, where a template holds Gefen's ``gefen.format`` key and nowhere else.
+
+Checkpoints in the per-rank format (``gefen.rank{r}`` entries) are fitted too: the template
+asks for every saved rank's entry, which ``integrations.fsdp`` re-cuts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..distributed import sharding
+from ..method import portable
+from ..method.segments import Segment, num_blocks, whole_tensor
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # a torch build without distributed
+    DTensor = None
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_KEY",
+    "LoadPlanner",
+    "extend_default_planner",
+    "fields",
+    "fit_template",
+    "global_fields",
+    "restore",
+    "whole_state",
+]
+
+FORMAT = 2
+FORMAT_KEY = "gefen.format"
+_PER_ELEMENT = ("codes", "exp_avg", "exp_avg_sq")
+_PER_RANGE = ("pieces", "v", "absmax")
+_SHARED = ("step", "codebook", "block", "v_cross")
+
+
+def global_fields(p: torch.Tensor) -> bool:
+    """Whether ``p``'s state is saved in global coordinates: a DTensor whose local piece is one
+    run of rows. Other layouts (tensor-parallel inner dims, expert parallelism's strided dim 0,
+    FSDP1) keep the per-rank format (``integrations.fsdp``)."""
+    if not sharding.is_dtensor(p) or p.dim() == 0:
+        return False
+    return all(
+        isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0) for pl in p.placements
+    )
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The elements ``[start, start + numel)`` of the flattened tensor that this rank holds."""
+
+    start: int
+    numel: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.start}.{self.numel}"
+
+    def meets(self, other: Rows) -> bool:
+        return self.start < other.start + other.numel and other.start < self.start + self.numel
+
+
+def _rows(shape: torch.Size, mesh: Any, placements: Any) -> Rows:
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    row = 1
+    for s in shape[1:]:
+        row *= s
+    return Rows(offsets[0] * row, sizes[0] * row)
+
+
+def rows_of(p: torch.Tensor) -> Rows:
+    return _rows(p.shape, p.device_mesh, p.placements)
+
+
+def _as_param(p: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """This rank's per-element values (in local order) as a DTensor shaped and placed as ``p``."""
+    local = sharding.local(p)
+    return DTensor.from_local(
+        flat.reshape(local.shape), p.device_mesh, p.placements, run_check=False,
+        shape=p.shape, stride=p.stride(),
+    )  # fmt: skip
+
+
+def run_number(run: str) -> int:
+    """The run id (hex) as a number a tensor holds: its first 60 bits."""
+    return int(run[:15], 16) if run else 0
+
+
+# -- save ----------------------------------------------------------------------------------------
+def fields(
+    p: torch.Tensor, st: dict[str, torch.Tensor] | None, segs: list[Segment], run: str
+) -> dict[str, Any]:
+    """``p``'s state as this rank writes it (module docstring). A rank that keeps no state for
+    ``p`` (an empty piece, or a parameter not stepped yet) writes the format key alone."""
+    mark = torch.tensor([FORMAT, run_number(run)], dtype=torch.int64)
+    named = [s for s in segs if s.name and s.numel]
+    if st is None or not named:
+        return {FORMAT_KEY: mark}
+    rows = rows_of(p)
+    parts = portable.export(st, segs)
+    if sum(ts.pieces[0].numel for ts in parts) != rows.numel:
+        raise RuntimeError(f"{named[0].name}: the state's segments do not tile this rank's rows")
+    block = parts[0].block_size
+    out: dict[str, Any] = {
+        FORMAT_KEY: mark,
+        "step": st["step"],
+        "codebook": st["codebook"],
+        "block": torch.tensor(block, dtype=torch.int64),
+    }
+    if block == 1:
+        out["exp_avg"] = _as_param(p, torch.cat([ts.pieces[0].exp_avg for ts in parts]))
+        out["exp_avg_sq"] = _as_param(p, torch.cat([ts.pieces[0].exp_avg_sq for ts in parts]))
+        return out
+    if parts[0].v_cross.numel():
+        out["v_cross"] = parts[0].v_cross
+    out["codes"] = _as_param(p, torch.cat([ts.pieces[0].codes for ts in parts]))
+    pieces = [ts.pieces[0] for ts in parts]
+    table = [[pc.start, pc.numel, run_number(run)] for pc in pieces]
+    out[f"pieces.{rows.key}"] = torch.tensor(table, dtype=torch.int64)
+    out[f"v.{rows.key}"] = torch.cat([pc.v for pc in pieces])
+    out[f"absmax.{rows.key}"] = torch.cat([pc.absmax for pc in pieces])
+    return out
+
+
+# -- load ----------------------------------------------------------------------------------------
+def _range_keys(saved: Mapping[str, Any]) -> list[str]:
+    return sorted(
+        k[len("pieces.") :] for k in saved if isinstance(k, str) and k.startswith("pieces.")
+    )
+
+
+def _mine(value: Any, rows: Rows, what: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's elements of a per-element field: a DTensor read at this layout, or the whole
+    tensor (a checkpoint read into one process)."""
+    if sharding.is_dtensor(value):
+        if tuple(value.shape) != shape:
+            raise ValueError(
+                f"Gefen state for {name}: {what} has shape {tuple(value.shape)}, "
+                f"the parameter {shape}"
+            )
+        return value.to_local().reshape(-1)
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"Gefen state for {name}: {what} is {got}, the parameter's shape is {shape}"
+        )
+    return value.reshape(-1)[rows.start : rows.start + rows.numel]
+
+
+def _saved_pieces(
+    saved: Mapping[str, Any], rows: Rows, block: int, codes: torch.Tensor, run: int, name: str
+) -> list[portable.Piece]:
+    """The saved block pieces that meet ``rows``, each reading its codes from ``codes`` (this
+    rank's elements, which DCP already brought to this layout)."""
+    out = []
+    for key in _range_keys(saved):
+        table, v, absmax = saved[f"pieces.{key}"], saved.get(f"v.{key}"), saved.get(f"absmax.{key}")
+        if v is None or absmax is None:
+            raise ValueError(
+                f"Gefen state for {name}: the block values of elements {key} are missing"
+            )
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] != 3:
+            raise ValueError(
+                f"Gefen state for {name}: pieces.{key} is not a (start, numel, run) table"
+            )
+        off = 0
+        for start, numel, piece_run in table.tolist():
+            if piece_run != run:
+                raise ValueError(
+                    f"Gefen state for {name}: the pieces of elements {key} are from another run "
+                    f"({piece_run:x}) than the checkpoint's ({run:x}); the loader kept this "
+                    "rank's own value (gefen_dist.integrations.dcp)"
+                )
+            nb = num_blocks(start, numel, block)
+            if rows.meets(Rows(start, numel)):
+                out.append(
+                    portable.Piece(
+                        start, numel, codes=codes, codes_at=rows.start,
+                        v=v[off : off + nb].float(), absmax=absmax[off : off + nb].float(),
+                    )
+                )  # fmt: skip
+            off += nb
+        if off != v.numel() or off != absmax.numel():
+            raise ValueError(
+                f"Gefen state for {name}: elements {key} hold {v.numel()} v and "
+                f"{absmax.numel()} absmax values, their pieces' blocks are {off}"
+            )
+    return sorted(out, key=lambda pc: pc.start)
+
+
+def restore(
+    saved: Mapping[str, Any], rows: Rows, segs: list[Segment], shape: tuple[int, ...], name: str
+) -> dict[str, torch.Tensor] | None:
+    """The state of this rank's ``segs`` (elements ``rows`` of a tensor of ``shape``) from a
+    parameter's fields as DCP read them at this layout (``fit_template``), or read whole; None
+    where the checkpoint holds no state for the parameter or this rank holds none of it."""
+    mark = saved.get(FORMAT_KEY)
+    if not isinstance(mark, torch.Tensor) or mark.numel() != 2 or int(mark[0]) != FORMAT:
+        raise ValueError(f"Gefen state for {name}: not a gefen.format {FORMAT} entry ({mark!r})")
+    named = [s for s in segs if s.name and s.numel]
+    if "block" not in saved or not named:
+        return None
+    for key in ("step", "codebook"):
+        if not isinstance(saved.get(key), torch.Tensor):
+            raise ValueError(f"Gefen state for {name}: its {key} is missing")
+    block = int(saved["block"])
+    tensor = named[0].name
+    if block == 1:
+        pieces = [
+            portable.Piece(
+                rows.start, rows.numel,
+                exp_avg=_mine(saved["exp_avg"], rows, "exp_avg", name, shape),
+                exp_avg_sq=_mine(saved["exp_avg_sq"], rows, "exp_avg_sq", name, shape),
+            )
+        ]  # fmt: skip
+    else:
+        codes = _mine(saved["codes"], rows, "codes", name, shape)
+        pieces = _saved_pieces(saved, rows, block, codes, int(mark[1]), name)
+    v_cross = saved.get("v_cross")
+    ts = portable.TensorState(
+        tensor, tuple(shape), block, float(saved["step"]), saved["codebook"].float(),
+        v_cross.float() if isinstance(v_cross, torch.Tensor) else torch.zeros(0), pieces,
+    )  # fmt: skip
+    try:
+        return portable.install({tensor: ts}, segs, torch.device("cpu"))
+    except ValueError as e:  # portable names the tensor by its segments' name
+        if name in str(e):
+            raise
+        raise ValueError(f"Gefen state for {name}: {e}") from None
+
+
+def whole_state(saved: Mapping[str, Any], shape: tuple[int, ...], name: str) -> dict | None:
+    """A parameter's fields read whole (one process) as the single-process state of the whole
+    tensor: what ``gefen_dist.checkpoint.consolidate`` writes."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    return restore(saved, Rows(0, numel), whole_tensor(tuple(shape), name), tuple(shape), name)
+
+
+# -- the template --------------------------------------------------------------------------------
+def _element(tree: Any, path: tuple) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _fit_new(sub: dict, head: str, prefix: str, md: Mapping[str, Any], where: str) -> None:
+    """One parameter's template, from the checkpoint's keys under ``prefix``: the per-element
+    fields as DTensors at this layout, the per-range fields that meet this rank's rows. Its
+    keys are those of ``sub`` that start with ``head`` (all of them in a nested dict, one
+    parameter's ``state.{fqn}.`` in torchtitan's flat one)."""
+    mine = {k: v for k, v in sub.items() if isinstance(k, str) and k.startswith(head)}
+    source = next((v for v in mine.values() if sharding.is_dtensor(v)), None)
+    if source is None:
+        return  # a template of whole tensors (one process reads everything), or no state here
+    rows = _rows(source.shape, source.device_mesh, source.placements)
+    new: dict[str, Any] = {}
+    for key, meta in md.items():
+        if not key.startswith(prefix + ".") or not isinstance(meta, TensorStorageMetadata):
+            continue
+        name = key[len(prefix) + 1 :]
+        dtype = meta.properties.dtype
+        if name in _PER_ELEMENT:
+            if tuple(meta.size) != tuple(source.shape):
+                raise ValueError(
+                    f"Gefen state for {where}: the checkpoint's {name} has shape "
+                    f"{tuple(meta.size)}, this parameter {tuple(source.shape)}: another model"
+                )
+            local = sharding.local(source)
+            new[name] = DTensor.from_local(
+                torch.empty(local.shape, dtype=dtype, device=local.device),
+                source.device_mesh, source.placements, run_check=False,
+                shape=source.shape, stride=source.stride(),
+            )  # fmt: skip
+        elif name.split(".", 1)[0] in _PER_RANGE and name.count(".") == 2:
+            start, numel = (int(x) for x in name.split(".")[1:])
+            if rows.meets(Rows(start, numel)):
+                new[name] = torch.empty(meta.size, dtype=dtype)
+        elif name in _SHARED or name == FORMAT_KEY:
+            new[name] = torch.empty(meta.size, dtype=dtype)
+    _replace(sub, mine, head, new)
+
+
+def _fit_old(sub: dict, head: str, prefix: str, md: Mapping[str, Any]) -> None:
+    """A per-rank checkpoint (``gefen.rank{r}``): every saved rank's entry, which the FSDP
+    load hook re-cuts (``integrations.fsdp._recut``)."""
+    mine = {k: v for k, v in sub.items() if isinstance(k, str) and k.startswith(head)}
+    new: dict[str, Any] = {}
+    for key, meta in md.items():
+        if not key.startswith(prefix + "."):
+            continue
+        name = key[len(prefix) + 1 :]
+        if isinstance(meta, TensorStorageMetadata):
+            if name in ("step", "codebook"):
+                new[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        elif name.startswith("gefen."):
+            new[name] = b""  # a bytes value: DCP replaces it whole
+    _replace(sub, mine, head, new)
+
+
+def _replace(sub: dict, mine: Mapping[str, Any], head: str, new: Mapping[str, Any]) -> None:
+    for k in mine:
+        del sub[k]
+    sub.update({head + k: v for k, v in new.items()})
+
+
+def fit_template(state_dict: dict[str, Any], metadata: Metadata) -> None:
+    """Rewrite, in place, each Gefen parameter's part of a DCP load template (the keys beside
+    a ``gefen.format``) to the checkpoint's structure (module docstring)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    md = metadata.state_dict_metadata
+    flat, mappings = flatten_state_dict(state_dict)
+    for key in flat:
+        path = mappings[key]
+        last = path[-1]
+        if not (isinstance(last, str) and last.endswith(FORMAT_KEY)):
+            continue
+        head = last[: -len(FORMAT_KEY)]
+        if head and not head.endswith("."):
+            continue
+        prefix = key[: -len(FORMAT_KEY) - 1]
+        sub = _element(state_dict, path[:-1])
+        if not isinstance(sub, dict):
+            continue
+        if f"{prefix}.{FORMAT_KEY}" in md:
+            _fit_new(sub, head, prefix, md, prefix)
+        elif any(k.startswith(prefix + ".gefen.rank") for k in md):
+            _fit_old(sub, head, prefix, md)
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that first fits Gefen's template to the checkpoint
+    (``fit_template``): ``dcp.load(state_dict, checkpoint_id=..., planner=LoadPlanner())``."""
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        if metadata is not None:
+            fit_template(state_dict, metadata)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+
+def extend_default_planner() -> None:
+    """Make ``DefaultLoadPlanner`` fit Gefen's template too, for loaders that build their own
+    (module docstring). Idempotent; templates without Gefen's key are left as they are."""
+    original = DefaultLoadPlanner.set_up_planner
+    if getattr(original, "_gefen", False):
+        return
+
+    @functools.wraps(original)
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):  # type: ignore[no-untyped-def]
+        if metadata is not None and not isinstance(self, LoadPlanner):
+            fit_template(state_dict, metadata)
+        return original(self, state_dict, metadata, is_coordinator)
+
+    set_up_planner._gefen = True  # type: ignore[attr-defined]
+    DefaultLoadPlanner.set_up_planner = set_up_planner  # type: ignore[method-assign]
