@@ -4,7 +4,8 @@ Four torchrun launches (``tests/dist/dcp_reshard.py``) save the demo GPT under F
 4 ranks and under HSDP on a 2 x 2 mesh (10 steps at 4 bits, checkpoint at step 5), and resume
 each elsewhere exactly as a user does: ``get_state_dict`` on a fresh model and optimizer,
 ``dcp.load`` with no planner, ``set_state_dict``. Covered: FSDP2 2 -> 1, 1 -> 2, 2 -> 4, 4 -> 2,
-1 -> 4, HSDP -> FSDP2 at 4 and at 2, FSDP2 -> HSDP, and each layout back into itself.
+1 -> 4, HSDP -> FSDP2 at 4 and at 2, FSDP2 -> HSDP, and each layout back into itself; and
+``fsdp_common.Odd`` (101 rows, column blocks cut by every row split) 2 -> 1, 2 -> 4.
 
 How close, and why:
 
@@ -20,6 +21,8 @@ How close, and why:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from dist_util import read_results, resume_drift, torchrun
 
@@ -30,22 +33,24 @@ FIRST_TOL, NEW_LAYOUT_TOL = 1e-6, 5e-4
 # (saved checkpoint, resumed layout, world) per launch, in launch order: each launch's saves
 # come first, its resumes read only checkpoints saved by then
 LAUNCHES = [
-    (2, ["fsdp2"], [("fsdp2-w2", "fsdp2")]),
-    (1, ["fsdp2"], [("fsdp2-w2", "fsdp2")]),
+    (2, ["fsdp2", "odd"], [("fsdp2-w2", "fsdp2"), ("odd-w2", "odd")]),
+    (1, ["fsdp2", "odd"], [("fsdp2-w2", "fsdp2"), ("odd-w2", "odd")]),
     (
         4,
-        ["fsdp2", "hsdp2"],
+        ["fsdp2", "hsdp2", "odd"],
         [
             ("fsdp2-w2", "fsdp2"),
             ("fsdp2-w1", "fsdp2"),
             ("hsdp2-w4", "fsdp2"),
             ("fsdp2-w4", "hsdp2"),
             ("hsdp2-w4", "hsdp2"),
+            ("odd-w2", "odd"),
         ],
     ),
     (2, [], [("fsdp2-w1", "fsdp2"), ("fsdp2-w4", "fsdp2"), ("hsdp2-w4", "fsdp2")]),
 ]
 RESUMES = [(saved, layout, world) for world, _, rs in LAUNCHES for saved, layout in rs]
+LEGACY = Path(__file__).parent / "data" / "fsdp2_per_rank_format"
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +58,25 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("dcp_reshard")
     out, ck = str(d / "out"), str(d / "ck")
     (d / "ck").mkdir()
-    saves, resumed = {}, {}
+    saves, resumed, legacy = {}, {}, {}
     for world, layouts, resumes in LAUNCHES:
         jobs: list[str] = []
         for layout in layouts:
             jobs += ["save", out, ck, layout, str(STEPS), str(SAVE_AT), str(BITS), "+"]
         for saved, layout in resumes:
             jobs += ["resume", out, ck, saved, layout, str(SAVE_AT), str(STEPS), str(BITS), "+"]
+        if world not in legacy:
+            jobs += ["legacy", out, str(LEGACY), "+"]
         torchrun("dcp_reshard.py", *jobs[:-1], nproc=world, timeout=900)
+        if world not in legacy:
+            legacy[world] = read_results(d / "out" / f"legacy-w{world}", ranks=world)
         for layout in layouts:
             name = f"{layout}-w{world}"
             saves[name] = read_results(d / "out" / f"save-{name}", ranks=world)
         for saved, layout in resumes:
             name = f"resume-{saved}-to-{layout}-w{world}"
             resumed[(saved, layout, world)] = read_results(d / "out" / name, ranks=world)
-    return saves, resumed
+    return saves, resumed, legacy
 
 
 def _id(case):
@@ -76,13 +85,13 @@ def _id(case):
 
 
 def _drift(runs, case) -> list[float]:
-    saves, resumed = runs
+    saves, resumed, _ = runs
     return resume_drift(saves[case[0]][0]["losses"], resumed[case][0]["losses"], SAVE_AT)
 
 
 def test_report(runs, capsys):
     """The figures docs/checkpoints.md quotes (``pytest tests/test_dcp_reshard.py -s``)."""
-    _, resumed = runs
+    _, resumed, _ = runs
     with capsys.disabled():
         print("\nsaved -> resumed: first, largest relative loss difference; bytes read per rank")
         for case in RESUMES:
@@ -98,7 +107,7 @@ def test_each_rank_reads_its_share_and_the_block_values_around_it(runs, case):
     which can add one whole saved range (at B >= 64 block values are at most 8 / 64 bytes per
     element against the codes' 1): bound 1 / shards + 0.15 of the saved bytes, where shards
     is the number of pieces a tensor is cut into (HSDP's replicas each read a shard's)."""
-    _, resumed = runs
+    _, resumed, _ = runs
     _, layout, world = case
     shards = world // 2 if layout == "hsdp2" else world
     for r in resumed[case]:
@@ -107,23 +116,59 @@ def test_each_rank_reads_its_share_and_the_block_values_around_it(runs, case):
 
 @pytest.mark.parametrize("case", RESUMES, ids=[_id(c) for c in RESUMES])
 def test_plain_dcp_resumes_at_any_layout_within_the_bound(runs, case):
-    saves, resumed = runs
+    saves, resumed, _ = runs
     saved, layout, world = case
     got = resumed[case]
-    base = saves[saved][0]
-    drift = resume_drift(base["losses"], got[0]["losses"], SAVE_AT)
-    assert got[0]["blocks"] == base["blocks"]
+    drift = _drift(runs, case)
+    assert got[0]["blocks"] == saves[saved][0]["blocks"]
     if saved == f"{layout}-w{world}":
         assert all(r["state_as_saved"] for r in got), "a rank's state is not the one it saved"
         assert max(drift) == 0.0
         return
     assert drift[0] <= FIRST_TOL
-    assert max(drift) <= NEW_LAYOUT_TOL, f"max relative loss drift {max(drift):.2e}"
+    bound = NEW_LAYOUT_TOL
+    if layout == "odd":
+        # Odd's column blocks are cut by every row split, and each piece keeps its own v per
+        # column: runs that never stopped, on the same batches at 2 ranks and at this world
+        # size, already differ by this much over the same steps (up to 1.4e-3 measured). A
+        # resume must move the run no more than starting at the new layout does.
+        alone = resume_drift(
+            saves[saved][0]["losses"], saves[f"odd-w{world}"][0]["losses"][SAVE_AT:], SAVE_AT
+        )
+        bound = max(bound, max(alone))
+    assert max(drift) <= bound, f"max relative loss drift {max(drift):.2e}, bound {bound:.2e}"
 
 
 def test_every_layout_saves_the_single_process_blocks(runs):
-    saves, _ = runs
+    saves, _, _ = runs
     blocks = [r[0]["blocks"] for r in saves.values()]
-    assert len(saves) == 4
-    assert all(b == blocks[0] for b in blocks)
-    assert {bs for bs in blocks[0].values()} - {1}, "no tensor kept blocks: nothing was tested"
+    gpt = [b for name, b in zip(saves, blocks, strict=True) if not name.startswith("odd")]
+    odds = [b for name, b in zip(saves, blocks, strict=True) if name.startswith("odd")]
+    assert len(gpt) == 4 and len(odds) == 3
+    assert all(b == gpt[0] for b in gpt) and all(b == odds[0] for b in odds)
+    assert {bs for bs in gpt[0].values()} - {1}, "no tensor kept blocks: nothing was tested"
+    assert odds[0]["fc.weight"] < 0, "Odd's weight should take column blocks, which FSDP2 cuts"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_checkpoint_in_the_per_rank_format_loads_with_plain_dcp(runs, world):
+    """tests/data/fsdp2_per_rank_format: the uneven ``Odd`` model (column blocks, which FSDP2's
+    row split cuts) saved on 2 ranks by gefen_dist before format 2 (docs/history.md). At 2 ranks
+    each rank reads its own entry: the saved run's losses exactly. Elsewhere the template asks
+    for every saved rank's entry and the pieces are re-cut (``integrations.fsdp._recut``). In
+    one process that is the state ``consolidate`` and ``load_optimizer`` give, bit for bit
+    (whose drift on this model is 5.0e-4 by the last of 4 steps, the data-parallel average
+    rounding otherwise); at 4 ranks the losses stay within the elastic bound."""
+    import json
+
+    base = json.loads((LEGACY / "uninterrupted.json").read_text())
+    got = runs[2][world]
+    drift = resume_drift(base["losses"], got[0]["losses"], base["saved_at"])
+    if world == base["world"]:
+        assert max(drift) == 0.0, drift
+        return
+    assert drift[0] <= FIRST_TOL, drift
+    if world == 1:
+        assert got[0]["as_consolidated"]
+    else:
+        assert max(drift) <= NEW_LAYOUT_TOL, drift

@@ -242,6 +242,8 @@ def restore(
     for key in ("step", "codebook"):
         if not isinstance(saved.get(key), torch.Tensor):
             raise ValueError(f"Gefen state for {name}: its {key} is missing")
+        if not torch.isfinite(saved[key]).all():  # before pieces are compared by these values
+            raise ValueError(f"Gefen state for {name}: {key!r} holds NaN or inf")
     block = int(saved["block"])
     tensor = named[0].name
     if block == 1:

@@ -6,12 +6,12 @@ declares the config, and resolves each ``ParamGroupConfig.optimizer_name`` throu
 ``OptimizersContainer._resolve_optimizer_factory`` (Adam, AdamW, DistMuon). A subclass with a
 config of its own is therefore what a job names, and the trainer builds it unchanged::
 
-    from gefen_dist.integrations.torchtitan import GefenCheckpointManager, gefen_optimizers
+    from gefen_dist.integrations.torchtitan import gefen_optimizers
 
     config = Trainer.Config(
         ...,
         optimizer=gefen_optimizers(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95)),
-        checkpoint=GefenCheckpointManager.Config(enable=True, interval=500),
+        checkpoint=CheckpointManager.Config(enable=True, interval=500),
     )
 
 ``GefenOptimizersContainer`` knows the name ``"Gefen"`` besides torchtitan's own, so param

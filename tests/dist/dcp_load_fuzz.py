@@ -47,7 +47,7 @@ def _tensors(entry: dict, rank: int, fn) -> None:
     for name in ("codes", "exp_avg", "exp_avg_sq"):
         if name in entry:
             rows = torch.chunk(torch.arange(entry[name].shape[0]), 2)[rank]
-            view[name] = entry[name][rows].clone()
+            view[name] = entry[name][rows].clone().reshape(-1)
     if "v_cross" in entry:
         view["v_cross"] = entry["v_cross"]
     fn(view)
@@ -56,7 +56,7 @@ def _tensors(entry: dict, rank: int, fn) -> None:
     for name in ("codes", "exp_avg", "exp_avg_sq"):
         if name in view:
             entry[name] = entry[name].clone()
-            entry[name][rows] = view[name]
+            entry[name][rows] = view[name].reshape(entry[name][rows].shape)
     if "v_cross" in view:
         entry["v_cross"] = view["v_cross"]
 
