@@ -148,6 +148,16 @@ def test_expert_parallel_resumes_from_dcp_bit_for_bit(ep):
     _resumed_bit_for_bit(ep[1][0]["ep"])
 
 
+def test_an_expert_parallel_checkpoint_resumes_on_another_mesh_with_plain_dcp(ep):
+    """Saved on (dp_mod_ep=2, ep=2), loaded on (1, 4) with get_state_dict, dcp.load and
+    set_state_dict: the expert weights' state is in global coordinates
+    (``integrations.dcp``), and each expert is its own matrix, so no block is cut."""
+    _, ranks = ep
+    got, saved = ranks[0]["ep"]["other_mesh"], ranks[0]["ep"]["losses"]
+    drift = resume_drift(saved, got, len(saved) - len(got))
+    assert drift[0] <= FIRST_TOL and max(drift) <= NEW_WORLD_TOL, drift
+
+
 def test_an_expert_parallel_checkpoint_resumes_in_one_process(ep, tmp_path):
     d, ranks = ep
     drift = _resume_consolidated(d, "moe_ep", ranks[0]["ep"]["losses"], tmp_path)["drift"]

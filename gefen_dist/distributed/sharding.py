@@ -57,7 +57,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
-def _is_shard(pl: object) -> bool:
+def is_shard(pl: object) -> bool:
     return isinstance(pl, (Shard, _StridedShard))
 
 
@@ -80,7 +80,7 @@ def dim_indices(p: torch.Tensor) -> list[torch.Tensor | None]:
     sizes = list(shape)
     held: dict[int, torch.Tensor] = {}
     for md, pl in enumerate(p.placements):
-        if not _is_shard(pl):
+        if not is_shard(pl):
             continue
         size, index = _get_shard_size_and_offsets(
             sizes[pl.dim], mesh.size(md), coord[md], pl, held.get(pl.dim), shape[pl.dim], False
@@ -174,7 +174,7 @@ def check_layout(p: torch.Tensor, name: str) -> None:
     Replicate (a Partial tensor holds no rank's elements), and replicate dimensions of a mesh
     of more than two dimensions that Gefen cannot make one group of (``group_of``)."""
     for pl in p.placements:
-        if not (_is_shard(pl) or isinstance(pl, Replicate)):
+        if not (is_shard(pl) or isinstance(pl, Replicate)):
             raise ValueError(
                 f"{name} has {layout(p)}: {pl} is not supported; Gefen needs each mesh "
                 "dimension to shard (Shard, _StridedShard) or replicate (Replicate) the tensor"
@@ -199,7 +199,7 @@ def _first_shard(p: torch.Tensor) -> int | None:
     """The first mesh dimension that shards ``p``: the dimensions before it replicate it
     (HSDP's replicate dimension), those from it on spread it (``group_of``)."""
     for i, pl in enumerate(p.placements):
-        if _is_shard(pl):
+        if is_shard(pl):
             return i
     return None
 

@@ -1,7 +1,8 @@
 """Gefen's state in each parameter's global coordinates, which DCP reshards by itself.
 
-A DTensor parameter whose local piece is one run of its rows (FSDP2 and HSDP: every placement
-``Shard(0)`` or ``Replicate()``) is saved under keys that name no rank:
+A DTensor parameter whose local piece is one run of its rows (FSDP2 and HSDP, and expert
+weights under FSDP2 over expert parallelism: every placement shards dim 0 or is
+``Replicate()``) is saved under keys that name no rank:
 
 - ``gefen.format``: ``[2, run id]``, the same on every rank;
 - ``step``, ``codebook``, ``block`` (the block size), ``v_cross`` (where the tensor keeps
@@ -49,8 +50,7 @@ from ..method import portable
 from ..method.segments import Segment, num_blocks, whole_tensor
 
 try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor, Replicate
 except ImportError:  # a torch build without distributed
     DTensor = None
 
@@ -74,13 +74,15 @@ _SHARED = ("step", "codebook", "block", "v_cross")
 
 
 def global_fields(p: torch.Tensor) -> bool:
-    """Whether ``p``'s state is saved in global coordinates: a DTensor whose local piece is one
-    run of rows. Other layouts (tensor-parallel inner dims, expert parallelism's strided dim 0,
-    FSDP1) keep the per-rank format (``integrations.fsdp``)."""
+    """Whether ``p``'s state is saved in global coordinates: a DTensor sharded on dim 0 alone
+    (``Shard(0)``, FSDP2's ``_StridedShard(0)`` over expert parallelism's ``Shard(0)``, or
+    ``Replicate()``), whose local piece is one run of rows. Other layouts (tensor-parallel inner
+    dims, FSDP1) keep the per-rank format (``integrations.fsdp``). Decided by the placements,
+    so every rank decides alike."""
     if not sharding.is_dtensor(p) or p.dim() == 0:
         return False
     return all(
-        isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0) for pl in p.placements
+        isinstance(pl, Replicate) or (sharding.is_shard(pl) and pl.dim == 0) for pl in p.placements
     )
 
 
@@ -99,16 +101,24 @@ class Rows:
         return self.start < other.start + other.numel and other.start < self.start + self.numel
 
 
-def _rows(shape: torch.Size, mesh: Any, placements: Any) -> Rows:
-    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
-    row = 1
-    for s in shape[1:]:
-        row *= s
-    return Rows(offsets[0] * row, sizes[0] * row)
-
-
 def rows_of(p: torch.Tensor) -> Rows:
-    return _rows(p.shape, p.device_mesh, p.placements)
+    """The run of rows a DTensor sharded on dim 0 holds here, from the same walk over its
+    placements as its segments (``sharding.dim_indices``)."""
+    row = 1
+    for s in p.shape[1:]:
+        row *= s
+    first = sharding.dim_indices(p)[0]
+    if first is None:
+        return Rows(0, p.shape[0] * row)
+    if first.numel() == 0:
+        return Rows(0, 0)
+    lo = int(first[0])
+    if not torch.equal(first, torch.arange(lo, lo + first.numel())):
+        raise RuntimeError(
+            f"placements {tuple(p.placements)} give this rank rows that are not one run: "
+            "its state cannot be saved in global coordinates"
+        )
+    return Rows(lo * row, first.numel() * row)
 
 
 def _as_param(p: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -295,7 +305,7 @@ def _fit_new(sub: dict, head: str, prefix: str, md: Mapping[str, Any], where: st
     source = next((v for v in mine.values() if sharding.is_dtensor(v)), None)
     if source is None:
         return  # a template of whole tensors (one process reads everything), or no state here
-    rows = _rows(source.shape, source.device_mesh, source.placements)
+    rows = rows_of(source)
     new: dict[str, Any] = {}
     for key, meta in md.items():
         if not key.startswith(prefix + ".") or not isinstance(meta, TensorStorageMetadata):

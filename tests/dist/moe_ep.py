@@ -11,8 +11,9 @@ every expert rank). ``Gefen(model.parameters())`` with nothing else.
 Writes rank{r}.json: ``ref`` (one process, the whole global batch: losses, block sizes, codebook),
 ``ep`` (data parallel, each rank a quarter: global losses, block sizes, codebook, the layout of
 one expert tensor), and ``resumed``: a ``dcp.save`` at SAVE_AT, loaded into a fresh model and
-Gefen with ``dcp.load``, on to STEPS. The test consolidates that checkpoint and resumes it in
-one process.
+Gefen with ``dcp.load``, on to STEPS; ``other_mesh``: the same checkpoint loaded the same way on
+a (1, 4) mesh, where each rank holds two other experts. The test consolidates that checkpoint
+and resumes it in one process.
 """
 
 from __future__ import annotations
@@ -156,8 +157,8 @@ def build() -> MoELM:
     return model
 
 
-def parallelize(model: MoELM) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+def parallelize(model: MoELM, shape: tuple[int, int] = (2, 2)) -> None:
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_mod_ep", "ep"))
     dp = mesh._flatten("dp_shard")
     for layer in model.layers:
         experts = layer.moe.experts
@@ -233,6 +234,14 @@ def expert_parallel(out: str) -> dict:
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{out}/dcp")
     set_state_dict(fresh, opt2, model_state_dict=msd, optim_state_dict=osd)
     result["resumed"] = train(fresh, opt2, SAVE_AT, STEPS, parallel=True)
+    # the same checkpoint on a (1, 4) mesh, each rank 2 other experts, with plain DCP
+    other = build()
+    parallelize(other, (1, 4))
+    opt3 = Gefen(other.parameters(), **HYPER)
+    msd, osd = get_state_dict(other, opt3)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{out}/dcp")
+    set_state_dict(other, opt3, model_state_dict=msd, optim_state_dict=osd)
+    result["other_mesh"] = train(other, opt3, SAVE_AT, STEPS, parallel=True)
     return result
 
 
