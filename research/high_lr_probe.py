@@ -21,6 +21,17 @@ the dequantised one: codes off), ``elem_v`` (the denominator from the per-elemen
 sharing off for v only, m still coded), ``rows`` (every 2-D tensor forced to row blocks),
 ``fix`` (the prototype ``bounded_denominator``, rejected: research/results/high_lr_rnn.md).
 
+Trigger variants (issue 43, ``research/results/high_lr_trigger.md``): every step from the
+second on, each blocked tensor's spread c of step 6 of the partition (``partition.spread``:
+c = CV^2 of the elements' own variances around the one they share) is measured against the
+shared denominator the step uses, v_b * c_j, and the tensor is switched once c has grown over
+its first reading c_0 by the partition's own ALIKE, 1 + c > (1 + c_0)(1 + ALIKE)
+(``trigger_spread``, ``TriggerState``; with ``abs`` added, at c > ALIKE). ``trig`` only logs;
+``trig_b1`` switches the tensor to B = 1 (bf16 m and v, ``reference.dense_update``) initialised
+from its state (m = codes x absmax, v = v_b * c_j); ``trig_c`` keeps coded m and switches v to a
+per-element EMA initialised at v_b * c_j, with ``exact_c``'s floored denominator (row blocks with
+a factor; other tensors as ``trig_b1``).
+
     PYTHONPATH=. python research/high_lr_probe.py --task gru_odd --lr 3e-2 --seed 0 --bits 8
 """
 
@@ -31,12 +42,14 @@ import contextlib
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import torch
 
 from gefen_dist.backends import reference
 from gefen_dist.method import codes as mcodes
+from gefen_dist.method import partition
 from gefen_dist.method.state import CROSS_FLOOR
 
 RECORD: dict[str, list] = defaultdict(list)
@@ -45,6 +58,8 @@ _NAMES: dict[int, str] = {}
 _SHADOW: dict[int, torch.Tensor] = {}
 _EXACT: dict[tuple[int, int], torch.Tensor] = {}
 _FLAGS: dict[str, bool] = {}
+_CELEM: set[tuple[int, int]] = set()
+"""Chunks (keys as ``_SHADOW``'s) whose denominator is ``exact_c``'s after a ``trig_c`` switch."""
 
 
 def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
@@ -56,6 +71,10 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     key = (p.untyped_storage().data_ptr(), st.start + a)
     if _FLAGS.get("exact_m") and key in _EXACT:
         m = _EXACT[key].clone()
+    if key[0] in _TRIG_FIRED_C and key not in _CELEM and f is not None:
+        # trig_c's switch: the per-element v starts as the shared one, v_b * c_j
+        _SHADOW[key] = v[:, None] * (f * h.bc2_sqrt).square()[None, :]
+        _CELEM.add(key)
     m.lerp_(g32, 1.0 - h.beta1)
     v.mul_(h.beta2).add_(g32.square().mean(dim=1), alpha=1.0 - h.beta2)
     sv = _SHADOW.get(key)
@@ -85,7 +104,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     own = sv.sqrt() / h.bc2_sqrt
     if _FLAGS.get("elem_v"):
         denom = own.clone()
-    if _FLAGS.get("exact_c") and f is not None:
+    if (_FLAGS.get("exact_c") or key in _CELEM) and f is not None:
         # sharing on, the rank-1 factor replaced by the element's own g^2 ratio (floored as c)
         vb = (v.sqrt() / h.bc2_sqrt)[:, None]
         denom = torch.maximum(own, vb * math.sqrt(CROSS_FLOOR))
@@ -301,6 +320,205 @@ def adam_bound(h) -> float:
     )
 
 
+_TRIG: dict[int, TriggerState] = {}
+_TRIG_FIRED_C: set[int] = set()
+_B1: dict[tuple[int, int], SimpleNamespace] = {}
+TRIGGER_LOG: dict[str, dict] = {}
+"""Per tensor name (its storage where unnamed): its numel and block size, the first reading c_0
+(``accept``), the limit, the step the trigger fired at (None: never), the largest c and a trace
+(steps 3-9 and every 10th, and the step it fired) of (step, c_t, exp(Cov_t) - 1, c (EMA),
+exp(EMA of Cov) - 1, R_t), as ``trigger_spread`` and ``TriggerState.add`` define them."""
+
+
+def trigger_spread(g: torch.Tensor, m_prev: torch.Tensor, d2: torch.Tensor):
+    """The partition's spread c (step 6: how far the elements' own variances spread around the
+    one they share) of the shared model d2 = v_b * c_j, read without per-element state and
+    without the Gaussian assumption: (c_cv, Cov(ln a, ln b), R), or None where nothing is
+    measurable (R: step 2's heterogeneity read on the element variances, logged only).
+
+    With a = g_t^2 / d2 and b = m_{t-1}^2 / d2, both have expectations given the element
+    proportional to its r = E[g^2] / d2 (m_{t-1} an EMA of earlier gradients, independent of
+    g_t's draw), so across the tensor's elements
+
+    - c_cv = mean(a b) / (mean(a) mean(b)) - 1 = CV^2(r), step 6's c itself; heavy-tailed r or
+      noise make it a mean of few elements;
+    - Cov(ln a, ln b) = Var(ln r) where the noise is multiplicative and independent between
+      the two draws, and exp(Var) - 1 is the c of lognormal r with that spread, the reading
+      ALIKE was calibrated in (partition docstring: c 0.5 <-> an RMS of 0.5 |ln(v_i / v_block)|
+      ~ 0.33). Elements with g or m exactly 0 are left out of it.
+
+    The step-1 statistic (CV^2(g^2) - 2) / 3 reads c from one draw, which needs g Gaussian;
+    the recurrent gradients are not (research/results/high_lr_rnn.md, ``alike_c``: 34-399)."""
+    ok = d2 > 0
+    if not bool(ok.any()):
+        return None
+    d2 = d2[ok].double()
+    a = g.double()[ok].square() / d2
+    b = m_prev.double()[ok].square() / d2
+    ma, mb = float(a.mean()), float(b.mean())
+    if not (ma > 0 and mb > 0):
+        return None
+    c_cv = float((a * b).mean()) / (ma * mb) - 1.0
+    nz = (a > 0) & (b > 0)
+    if int(nz.sum()) < 2:
+        return None
+    la, lb = a[nz].log(), b[nz].log()
+    cov = float(((la - la.mean()) * (lb - lb.mean())).mean())
+    # R of step 2 read on the element variances: the share of their spread (Cov of the two
+    # draws across elements, in g^2 units) that the shared model leaves unexplained
+    x, y = a * d2, b * d2
+    total = float(((x - x.mean()) * (y - y.mean())).mean())
+    fit = d2 / d2.mean()
+    resid = float(((x - x.mean() * fit) * (y - y.mean() * fit)).mean())
+    r_model = resid / total if total > 0 else float("inf")
+    return c_cv, cov, r_model
+
+
+@dataclass
+class TriggerState:
+    """One tensor's trigger: EMAs (b2, bias-corrected as v is) of its per-step c_cv and
+    Cov(ln a, ln b) (``trigger_spread``). It fires, and stays fired, once the spread c (the EMA
+    of c_cv) has grown past what the partition accepted by more than one ALIKE:
+
+        1 + c > (1 + c_0) (1 + ALIKE),   c_0 = max(the first reading, 0),
+
+    i.e. the elements' variances, as ratios to the shared model r = r_0 * r_new, carry on top
+    of the spread c_0 the blocks had when the partition accepted them (CV^2 composes as
+    1 + c = (1 + c_0)(1 + c_new) for independent factors) a new spread c_new beyond step 6's
+    ALIKE, the most one shared v is allowed to absorb. ``absolute`` fires at c > ALIKE
+    instead (its first reading is above ALIKE on 153 of 178 tensor-runs of lstm, gru_wide and
+    gpt2: research/results/high_lr_trigger.md)."""
+
+    name: str
+    numel: int
+    block_size: int
+    ema_cv: float = 0.0
+    ema_log: float = 0.0
+    count: int = 0
+    fired: int | None = None
+    trace: list = field(default_factory=list)
+    peak: float = float("-inf")
+    accept: float | None = None
+    absolute: bool = False
+
+    def limit(self) -> float:
+        """The spread c at which the tensor's trigger fires."""
+        if self.absolute or self.accept is None:
+            return partition.ALIKE
+        return (1.0 + max(self.accept, 0.0)) * (1.0 + partition.ALIKE) - 1.0
+
+    def estimate(self, beta2: float) -> tuple[float, float]:
+        bc = 1.0 - beta2**self.count
+        return self.ema_cv / bc, math.expm1(min(self.ema_log / bc, 50.0))
+
+    def add(self, c: tuple[float, float], step: int, beta2: float) -> None:
+        self.count += 1
+        self.ema_cv = beta2 * self.ema_cv + (1.0 - beta2) * c[0]
+        self.ema_log = beta2 * self.ema_log + (1.0 - beta2) * c[1]
+        cv, clog = self.estimate(beta2)
+        if self.accept is None:
+            self.accept = cv
+            return
+        self.peak = max(self.peak, cv)
+        row = (
+            step,
+            round(c[0], 3),
+            round(math.expm1(min(c[1], 50.0)), 3),
+            round(cv, 3),
+            round(clog, 3),
+            round(c[2], 3),
+        )
+        if step % 10 == 0 or step < 10:
+            self.trace.append(row)
+        if self.fired is None and cv > self.limit():
+            self.fired = step
+            self.trace.append(row)
+
+
+def _shared_model(g, st, h, levels, bits, f):
+    """(m_{t-1}, d2) as (rows, cols) views of a whole tensor's segment: m as the codes hold it,
+    d2 = v_b * c_j per element (v before this step's fold, c the factor this step uses)."""
+    n, b = st.numel, st.block_size
+    m = levels[mcodes.read_codes(st.codes, 0, n, bits).long()].float()
+    c = None if f is None else (f.float() * h.bc2_sqrt).square()
+    if b > 0:
+        m = m.view(-1, b) * st.absmax[:, None]
+        d2 = st.v[:, None].expand_as(m)
+        if c is not None:
+            d2 = d2 * c[None, :]
+        return m, d2.float(), g.float().view(-1, b)
+    period = -b
+    m = m.view(-1, period) * st.absmax[None, :]
+    d2 = st.v[None, :].expand_as(m)
+    if c is not None:
+        d2 = d2 * c[: m.shape[0], None]
+    return m, d2.float(), g.float().view(-1, period)
+
+
+def _triggered(orig):
+    """``block_update`` / ``column_update`` with the trigger read before the update and, once
+    it fired and a switch variant is on, the tensor's own per-element update instead."""
+
+    def update(p, g, st, h, levels, mids, bits, factor=None):
+        ptr = p.untyped_storage().data_ptr()
+        whole = st.start == 0 and st.numel == p.numel()
+        trig = _TRIG.get(ptr)
+        if trig is None:
+            trig = _TRIG[ptr] = TriggerState(
+                _NAMES.get(ptr, str(ptr)),
+                st.numel,
+                st.block_size,
+                absolute=_FLAGS.get("abs", False),
+            )
+        mode = "b1" if _FLAGS.get("trig_b1") else "c" if _FLAGS.get("trig_c") else ""
+        if trig.fired is not None and mode:
+            if mode == "c" and st.block_size > 0 and factor is not None:
+                _TRIG_FIRED_C.add(ptr)
+                return orig(p, g, st, h, levels, mids, bits, factor)
+            key = (ptr, st.start)
+            if key not in _B1:
+                m, d2, _ = _shared_model(g, st, h, levels, bits, factor)
+                _B1[key] = SimpleNamespace(
+                    start=st.start,
+                    numel=st.numel,
+                    exp_avg=m.reshape(-1).to(torch.bfloat16),
+                    exp_avg_sq=d2.reshape(-1).to(torch.bfloat16),
+                )
+            reference.dense_update(p, g, _B1[key], h)
+            return None
+        if whole and h.step > 1:
+            m, d2, gv = _shared_model(g, st, h, levels, bits, factor)
+            c = trigger_spread(gv, m, d2)
+            if c is not None:
+                trig.add(c, h.step, h.beta2)
+        out = orig(p, g, st, h, levels, mids, bits, factor)
+        TRIGGER_LOG[trig.name] = dict(
+            numel=trig.numel,
+            block_size=trig.block_size,
+            fired=trig.fired,
+            peak=round(trig.peak, 3),
+            accept=None if trig.accept is None else round(trig.accept, 3),
+            limit=round(trig.limit(), 3),
+            last=[round(x, 3) for x in trig.estimate(h.beta2)] if trig.count else None,
+            trace=trig.trace,
+        )
+        return out
+
+    return update
+
+
+def _naming(orig):
+    """``tasks.build`` that also names the model's parameters for the trigger's log."""
+
+    def build(task, seed):
+        inst = orig(task, seed)
+        for n, q in inst.model.named_parameters():
+            _NAMES[q.untyped_storage().data_ptr()] = n
+        return inst
+
+    return build
+
+
 def _dense_watch(orig):
     def dense(p, g, st, h):
         before = p.detach().float().clone()
@@ -318,6 +536,7 @@ def _dense_watch(orig):
 def variant(name: str, watch: bool = False, gates: int = 0):
     """Run Gefen under switch ``name`` (module docstring) inside the block."""
     from gefen_dist import optimizer as gopt
+    from gefen_dist.bench import tasks
     from gefen_dist.method import partition, state
 
     saved = dict(
@@ -326,6 +545,9 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         dense=gopt.dense_update,
         cbs=partition.choose_block_size,
         cl=state.cross_length,
+        bu=gopt.block_update,
+        cu=gopt.column_update,
+        build=tasks.build,
     )
     _FLAGS.clear()
     _FLAGS.update({k: True for k in name.split(",")})
@@ -334,6 +556,11 @@ def variant(name: str, watch: bool = False, gates: int = 0):
     _EXACT.clear()
     _VC.clear()
     _HV.clear()
+    _CELEM.clear()
+    _TRIG.clear()
+    _TRIG_FIRED_C.clear()
+    _B1.clear()
+    TRIGGER_LOG.clear()
     gopt.Gefen._impl = lambda self, p, g: "reference"
     reference._update_blocks = _update_blocks
     gopt.dense_update = _dense_watch(saved["dense"])
@@ -343,6 +570,10 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         partition.choose_block_size = lambda stats, numel, row=0: row if row > 1 else 1
     if "no_factor" in _FLAGS:
         state.cross_length = lambda block_size, tensor_numel: 0
+    if {"trig", "trig_b1", "trig_c"} & _FLAGS.keys():
+        gopt.block_update = _triggered(saved["bu"])
+        gopt.column_update = _triggered(saved["cu"])
+        tasks.build = _naming(saved["build"])
     try:
         yield
     finally:
@@ -351,6 +582,9 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         gopt.dense_update = saved["dense"]
         partition.choose_block_size = saved["cbs"]
         state.cross_length = saved["cl"]
+        gopt.block_update = saved["bu"]
+        gopt.column_update = saved["cu"]
+        tasks.build = saved["build"]
         _FLAGS.clear()
 
 

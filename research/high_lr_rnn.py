@@ -63,8 +63,37 @@ def run(
         from research import high_lr_probe
 
         with high_lr_probe.variant(variant):
-            return suite.run_one(t, optimizer, seed)
+            body = suite.run_one(t, optimizer, seed)
+            if high_lr_probe.TRIGGER_LOG:
+                body["trigger"] = _trigger_record(
+                    dict(high_lr_probe.TRIGGER_LOG), body, variant, optimizer
+                )
+            return body
     return suite.run_one(t, optimizer, seed)
+
+
+def _trigger_record(log: dict, body: dict, variant: str, optimizer: str) -> dict:
+    """The trigger's log with the state it adds: a fired tensor at B = 1 (``trig_b1``) holds
+    4 bytes per element (bf16 m and v) instead of its blocked state; under ``trig_c`` it keeps
+    its blocked state and adds a bf16 v per element (2 bytes)."""
+    tensors = {t["name"]: t for t in body.get("gefen", {}).get("tensors", [])}
+    extra = 0.0
+    for name, t in log.items():
+        if t["fired"] is None or "trig_b1" not in variant and "trig_c" not in variant:
+            continue
+        rec = next((r for k, r in tensors.items() if f"'{name}'" in k or k == name), None)
+        held = rec["state_bytes"] if rec else 0.0
+        to_c = "trig_c" in variant and t["block_size"] > 0
+        add = 2.0 * t["numel"] if to_c else 4.0 * t["numel"] - held
+        t["extra_bytes"] = add
+        extra += add
+    params = body.get("params") or 1
+    return dict(
+        tensors=log,
+        extra_bytes=extra,
+        extra_bytes_per_param=extra / params,
+        bytes_per_param_after=(body.get("bytes_per_param") or 0.0) + extra / params,
+    )
 
 
 def table(records: list[dict]) -> str:
@@ -119,6 +148,7 @@ def main() -> None:
                     curve=body.get("curve"),
                     reason=body.get("reason"),
                     bytes_per_param=body.get("bytes_per_param"),
+                    trigger=body.get("trigger"),
                     blocks={
                         t["name"]: t["block_sizes"]
                         for t in body.get("gefen", {}).get("tensors", [])
