@@ -74,6 +74,24 @@ def _status() -> dict[str, int]:
     return out
 
 
+def _trim() -> bool:
+    """Hand the C heap's free memory back to the system (glibc ``malloc_trim``), so that the RSS
+    after it is the memory still in use; False where there is no glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def allocator() -> str:
+    """The glibc malloc setting of this launch: 'default', or its fixed mmap threshold."""
+    t = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    return f"MALLOC_MMAP_THRESHOLD_={t}" if t else "default"
+
+
 def _reset_peak() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
     try:
@@ -208,6 +226,18 @@ def built(block_size: int, bits: int, shape: str):
     return model, opt
 
 
+def train_step(model, opt, step: int, block_size: int) -> None:
+    """One step on BATCH random sequences a rank (seeded by step and rank)."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(1000 + step * dist.get_world_size() + dist.get_rank())
+    x = torch.randint(0, model.config.vocab_size, (BATCH, block_size), generator=g)
+    opt.zero_grad()
+    model(x, torch.roll(x, -1, dims=1))[1].backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def shard_bytes(model) -> int:
     return sum(tensor_bytes(p) for p in model.parameters())
 
@@ -238,15 +268,9 @@ def save(ck: str, work: str, block_size: int, bits: int, shape: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = built(block_size, bits, shape)
     params = sum(p.numel() for p in model.parameters())
-    vocab = model.config.vocab_size
     t0 = time.perf_counter()
     for step in range(STEPS):
-        g = torch.Generator().manual_seed(1000 + step * world + rank)
-        x = torch.randint(0, vocab, (BATCH, block_size), generator=g)
-        opt.zero_grad()
-        model(x, torch.roll(x, -1, dims=1))[1].backward()
-        opt.step()
-    opt.zero_grad()
+        train_step(model, opt, step, block_size)
     train_s = time.perf_counter() - t0
     report = opt.memory_report()
     ph = Phases()
@@ -341,6 +365,7 @@ def load(ck: str, work: str, path: str, block_size: int, bits: int, shape: str) 
     model, opt = built(block_size, bits, shape)
     built_rss = _status()
     shard = shard_bytes(model)
+    largest_local = max(sharding_local_numel(p) for p in model.parameters())
     ph = Phases()
     if path == "dcp":
         msd, osd = get_state_dict(model, opt)
@@ -370,6 +395,11 @@ def load(ck: str, work: str, path: str, block_size: int, bits: int, shape: str) 
     else:
         raise ValueError(f"load path: dcp or old, got {path!r}")
     ph.mark("freed", state_bytes=state_bytes(opt))
+    loading = list(ph.rows)
+    trimmed = _trim()
+    ph.mark("malloc_trim")
+    train_step(model, opt, STEPS, block_size)
+    ph.mark("one training step", state_bytes=state_bytes(opt))
     row = dict(
         rank=rank,
         rss_at_start=base,
@@ -382,11 +412,19 @@ def load(ck: str, work: str, path: str, block_size: int, bits: int, shape: str) 
         state_bytes=state_bytes(opt),
         phases=ph.rows,
         peak_reset=ph.reset,
-        peak_during_load=max(r["peak"] for r in ph.rows),
+        peak_during_load=max(r["peak"] for r in loading),
+        rss_after_trim=ph.rows[-2]["rss_after"] if trimmed else None,
+        largest_local_numel=largest_local,
     )
     rows = _gather(row)
     if rank == 0:
-        _write(work, f"load-{path}-w{world}", dict(world=world, path=path, ranks=rows))
+        alloc = allocator()
+        name = f"load-{path}-w{world}" + ("" if alloc == "default" else "-mmap")
+        _write(work, name, dict(world=world, path=path, malloc=alloc, ranks=rows))
+
+
+def sharding_local_numel(p: torch.Tensor) -> int:
+    return (p.to_local() if hasattr(p, "to_local") else p).numel()
 
 
 def _launch(argv: list[str]) -> None:
@@ -415,14 +453,26 @@ def _launch(argv: list[str]) -> None:
 
 
 # -- driver and report ---------------------------------------------------------------------------
-def _commands(ck: str, work: str, worlds: tuple[int, ...], shape: str) -> list[list[str]]:
+MMAP = "131072"
+"""The fixed glibc mmap threshold of the second set of loads: every allocation of 128 KiB or
+more gets its own mapping, returned to the system when freed, so that RSS follows the memory in
+use (glibc's default threshold rises to 32 MiB after the first large free, and smaller tensors
+freed inside the heap stay in RSS)."""
+
+
+def _commands(
+    ck: str, work: str, worlds: tuple[int, ...], shape: str
+) -> list[tuple[dict[str, str], list[str]]]:
     mod = ["-m", "gefen_dist.bench.dcp_memory"]
     run = ["torchrun", "--standalone"]
     opts = [] if shape == SHAPE else ["--shape", shape]
-    cmds = [[*run, f"--nproc_per_node={SAVE_WORLD}", *mod, "save", ck, work, *opts]]
-    for path in ("dcp", "old"):
-        for w in worlds:
-            cmds.append([*run, f"--nproc_per_node={w}", *mod, "load", ck, work, path, *opts])
+    cmds = [({}, [*run, f"--nproc_per_node={SAVE_WORLD}", *mod, "save", ck, work, *opts])]
+    for env in ({}, {"MALLOC_MMAP_THRESHOLD_": MMAP}):
+        for path in ("dcp", "old"):
+            for w in worlds:
+                cmds.append(
+                    (env, [*run, f"--nproc_per_node={w}", *mod, "load", ck, work, path, *opts])
+                )
     return cmds
 
 
@@ -431,44 +481,56 @@ def drive(a: argparse.Namespace) -> None:
 
     ck, work = a.ck, a.work or f"{a.ck}-work"
     worlds = tuple(int(w) for w in a.worlds.split(","))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = []
-    for i, cmd in enumerate(_commands(ck, work, worlds, a.shape)):
+    log = Path(work) / "commands.json"
+    for i, (extra, cmd) in enumerate(_commands(ck, work, worlds, a.shape)):
         if i == 0:
             if a.skip_save and (Path(work) / "save.json").exists():
                 continue
             shutil.rmtree(ck, ignore_errors=True)
-        line = "OMP_NUM_THREADS=1 " + shlex.join(cmd)
+            shutil.rmtree(work, ignore_errors=True)
+        line = " ".join(f"{k}={v}" for k, v in {"OMP_NUM_THREADS": "1", **extra}.items())
+        line += " " + shlex.join(cmd)
         print(line, flush=True)
         t = time.perf_counter()
-        subprocess.run(cmd, check=True, env=env)
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1", **extra})
+        done = json.loads(log.read_text()) if log.exists() else []
+        done = [d for d in done if d["command"] != line]
         done.append(dict(command=line, seconds=round(time.perf_counter() - t, 1)))
-    report(work, a.out, done)
+        log.write_text(json.dumps(done, indent=1))
+    report(work, a.out)
 
 
-def _mib(b: float) -> str:
-    return f"{b / MiB:,.1f}"
+def _mib(b: float | None) -> str:
+    return "" if b is None else f"{b / MiB:,.1f}"
 
 
-def report(work: str, out: str, commands: list[dict] | None = None) -> None:
+def _phase(r: dict, name: str) -> dict | None:
+    return next((p for p in r["phases"] if p["phase"] == name), None)
+
+
+def _grow(p: dict | None) -> float | None:
+    return None if p is None else p["peak"] - p["rss_before"]
+
+
+def report(work: str, out: str) -> None:
     work_p, out_p = Path(work), Path(out)
     saved = json.loads((work_p / "save.json").read_text())
     loads = [json.loads(p.read_text()) for p in sorted(work_p.glob("load-*.json"))]
-    loads.sort(key=lambda r: (r["path"] != "dcp", r["world"]))
+    loads.sort(
+        key=lambda r: (r.get("malloc", "default") != "default", r["path"] != "dcp", r["world"])
+    )
+    log = work_p / "commands.json"
     rev = store.revision()
     with open("/proc/meminfo") as f:
         mem = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal"))
     meta = dict(
-        commands=commands
-        if commands is not None
-        else (json.loads((out_p / "dcp_memory.json").read_text())["meta"]["commands"]
-              if (out_p / "dcp_memory.json").exists() else []),
+        commands=json.loads(log.read_text()) if log.exists() else [],
         revision=rev["code"],
         head=rev["head"],
         machine=f"{platform.machine()}, {store.cpu_model()}, {os.cpu_count()} cores, "
         f"{mem / 2**30:.1f} GiB",
         torch=torch.__version__,
-    )  # fmt: skip
+    )
     params = saved["params"]
     layers, heads, width, vocab = saved["shape"].split(",")
     ck = saved["checkpoint"]
@@ -476,17 +538,19 @@ def report(work: str, out: str, commands: list[dict] | None = None) -> None:
     lines = [
         "# Host memory of a DCP resume of Gefen at another world size (issue 44 item 3)",
         "",
+        "Written by `gefen_dist/bench/dcp_memory.py` (its docstring says what is measured "
+        "and how).  ",
         f"Revision (last commit touching `gefen_dist/`): `{meta['revision']}`, HEAD "
         f"`{meta['head']}`  ",
-        f"Machine: {meta['machine']}, torch {meta['torch']}; gloo, CPU, one thread a rank  ",
-        "Commands:",
+        f"Machine: {meta['machine']}, torch {meta['torch']}; gloo, CPU, one thread a rank "
+        "(the 4-rank launches share the 2 cores)  ",
+        "Commands (each a launch of its own; seconds of wall time):",
         "",
         *[f"    {c['command']}   # {c['seconds']} s" for c in meta["commands"]],
         "",
         f"Model: demo GPT, {layers} layers, {heads} heads, width {width}, vocabulary {vocab} "
         f"(tied head), block {saved['block_size']}: {params:,} parameters; FSDP2 `fully_shard` "
-        f"per block + "
-        f"root; Gefen {saved['bits']}-bit (block sizes {saved['gefen_blocks']}); "
+        f"per block + root; Gefen {saved['bits']}-bit (block sizes {saved['gefen_blocks']}); "
         f"{saved['steps']} steps on {saved['batch_per_rank']} random sequences a rank, saved "
         f"on {saved['world']} ranks by `get_state_dict` + `dcp.save`.",
         "",
@@ -509,43 +573,82 @@ def report(work: str, out: str, commands: list[dict] | None = None) -> None:
     lines += [f"| {w} | {b:,} | {_mib(b)} | {b / params:.3f} |" for w, b in rows]
     lines += [
         "",
-        "## Loading at another world size, per rank",
+        "The saved optimizer state is about twice the live one: the live state packs two 4-bit "
+        "codes a byte, the checkpoint keeps one code a byte so that any new row boundary cuts "
+        "no byte (`integrations/dcp.py`).",
         "",
-        "RSS before: after building the sharded model and Gefen, before the load. Peak: VmHWM, "
-        "reset to the current RSS at the start of each phase (`/proc/self/clear_refs`), the "
-        "highest over the phases; growth = peak - RSS before. Read: bytes of optimizer tensors "
-        "DCP (or `read_dcp`) filled on this rank. Chunk: the largest stored item one of the "
-        "rank's reads `torch.load`s whole. Bound: read + live state after + model shard's "
-        "zero grads (`get_state_dict`'s first step) + chunk (next section). MiB throughout.",
+        "## Loading at another world size, per rank (MiB)",
         "",
-        "| path | world | rank | RSS before | peak | growth | read (optim) | live state "
-        "after | model shard | chunk | bound | peak phase |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "RSS before: after building the sharded model and Gefen, before `get_state_dict` (plain "
+        "loop) or the model's `dcp.load` (old path). Peak: VmHWM, reset to the current RSS at the "
+        "start of each phase (`/proc/self/clear_refs`), the highest over the load's phases; "
+        "growth = peak - RSS before. After trim: RSS after the load, its objects freed and "
+        "`malloc_trim(0)`. Read: optimizer tensor bytes DCP (or `read_dcp`) filled on this rank. "
+        "Chunk: the largest stored item one of the rank's reads `torch.load`s whole. Step: "
+        "growth of the peak over the RSS before, in one training step after the load.",
+        "",
+        "| malloc | path | world | rank | RSS before | peak | growth | peak's phase | after "
+        "trim | read (optim) | live state | model shard | chunk | step's growth |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for rec in loads:
+        alloc = "default" if rec.get("malloc", "default") == "default" else "mmap 128K"
         for r in rec["ranks"]:
             growth = r["peak_during_load"] - r["rss_before_load"]
-            top = max(r["phases"], key=lambda p: p["peak"])
-            bound = (
-                r["optim_read_bytes"] + r["state_bytes"] + r["model_shard_bytes"]
-                + r["largest_stored_read"]
-            )  # fmt: skip
-            r["bound"], r["growth"] = bound, growth
-            lines.append(
-                f"| {rec['path']} | {rec['world']} | {r['rank']} | "
-                f"{_mib(r['rss_before_load'])} | {_mib(r['peak_during_load'])} | "
-                f"{_mib(growth)} | {_mib(r['optim_read_bytes'])} | {_mib(r['state_bytes'])} | "
-                f"{_mib(r['model_shard_bytes'])} | {_mib(r['largest_stored_read'])} | "
-                f"{_mib(bound)} | {top['phase']} |"
+            top = max(
+                (p for p in r["phases"] if p["phase"] not in ("malloc_trim", "one training step")),
+                key=lambda p: p["peak"],
             )
-    lines += ["", "Phases (rank 0 of each launch; MiB; peak = VmHWM within the phase):", ""]
-    lines += ["| path | world | phase | RSS before | RSS after | peak | peak - before | s |"]
-    lines += ["|---|---:|---|---:|---:|---:|---:|---:|"]
+            step = _phase(r, "one training step")
+            r["growth"] = growth
+            lines.append(
+                f"| {alloc} | {rec['path']} | {rec['world']} | {r['rank']} | "
+                f"{_mib(r['rss_before_load'])} | {_mib(r['peak_during_load'])} | "
+                f"{_mib(growth)} | {top['phase']} | {_mib(r.get('rss_after_trim'))} | "
+                f"{_mib(r['optim_read_bytes'])} | {_mib(r['state_bytes'])} | "
+                f"{_mib(r['model_shard_bytes'])} | {_mib(r['largest_stored_read'])} | "
+                f"{_mib(_grow(step))} |"
+            )
+    lines += [
+        "",
+        "## The plain loop's phases against the bound (rank 0 of each launch, MiB)",
+        "",
+        "Each phase's growth is its peak over the RSS at its start. Bounds (next section): "
+        "`get_state_dict`: zero gradients (model shard) + the state of its zero step + that "
+        "step's scratch (not bounded here: a training step's); `dcp.load`: read + chunk; "
+        "`set_state_dict`: live state + 5 B x the largest local tensor (`portable.restore`'s "
+        "per-element absmax and codes copies) + the zero step's state it replaces.",
+        "",
+        "| malloc | world | get_state_dict | bound w/o scratch | dcp.load | bound | "
+        "set_state_dict | bound | whole load | sum of bounds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for rec in loads:
+        if rec["path"] != "dcp":
+            continue
+        alloc = "default" if rec.get("malloc", "default") == "default" else "mmap 128K"
+        r = rec["ranks"][0]
+        g, d, s_ = (_phase(r, n) for n in ("get_state_dict", "dcp.load", "set_state_dict"))
+        zero_state = g.get("state_bytes", 0)
+        b_get = r["model_shard_bytes"] + zero_state
+        b_load = r["optim_read_bytes"] + r["largest_stored_read"]
+        b_set = r["state_bytes"] + 5 * r["largest_local_numel"] + zero_state
+        lines.append(
+            f"| {alloc} | {rec['world']} | {_mib(_grow(g))} | {_mib(b_get)} | {_mib(_grow(d))} | "
+            f"{_mib(b_load)} | {_mib(_grow(s_))} | {_mib(b_set)} | {_mib(r['growth'])} | "
+            f"{_mib(b_get + b_load + b_set)} |"
+        )
+    lines += ["", "Every phase (rank 0 of each launch; MiB):", ""]
+    lines += [
+        "| malloc | path | world | phase | RSS before | RSS after | peak | growth | s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for rec in loads:
+        alloc = "default" if rec.get("malloc", "default") == "default" else "mmap 128K"
         for p in rec["ranks"][0]["phases"]:
             lines.append(
-                f"| {rec['path']} | {rec['world']} | {p['phase']} | {_mib(p['rss_before'])} | "
-                f"{_mib(p['rss_after'])} | {_mib(p['peak'])} | "
+                f"| {alloc} | {rec['path']} | {rec['world']} | {p['phase']} | "
+                f"{_mib(p['rss_before'])} | {_mib(p['rss_after'])} | {_mib(p['peak'])} | "
                 f"{_mib(p['peak'] - p['rss_before'])} | {p['seconds']} |"
             )
     lines += ["", BOUND_TEXT]
@@ -559,25 +662,32 @@ def report(work: str, out: str, commands: list[dict] | None = None) -> None:
 
 BOUND_TEXT = """## The bound
 
-During `dcp.load` a rank holds its new shard's template, which `fit_template` sizes from the
-checkpoint's metadata: per parameter, the per-element fields at this rank's layout (`codes`
-unpacked, 1 byte an element, or bf16 `exp_avg` and `exp_avg_sq` where B = 1), the saved block
-values (`v`, `absmax`, `pieces`) of the saving ranks' ranges that its rows meet (at most the
-ranges of its own rows plus one cut piece at each end), and the small shared fields (`step`,
-`codebook`, `block`, `v_cross`); that is the "read (optim)" column. DCP's `FileSystemReader`
-adds one stored item in flight: it `torch.load`s each saved chunk a read meets whole and then
-narrows it ("chunk"). `set_state_dict` builds the live state (`memory_report`) from the
-template while the template is still held. Before the load, `get_state_dict` initialises a fresh
-optimizer by a zero-gradient step, which allocates zero gradients of the model shard's size for
-the step's duration, and the state of that step, which the load replaces. So
+What a rank of the plain loop holds beyond its model shard and live state, phase by phase:
 
-    growth of a rank's RSS during the load <= read (optim) + live state + model shard + chunk
+- `get_state_dict` initialises the fresh optimizer by a zero-gradient step (torch's
+  `_init_optim_state`): zero gradients of the model shard's size for the step's duration, Gefen's
+  state from that step, and the step's own scratch, as in any training step.
+- `dcp.load`: the new shard's template, which `fit_template` sizes from the checkpoint's
+  metadata: per parameter, the per-element fields at this rank's layout (`codes` unpacked, 1
+  byte an element, or `exp_avg` and `exp_avg_sq` where B = 1), the saved block values (`v`,
+  `absmax`, `pieces`) of the saving ranks' ranges its rows meet, and the small shared fields
+  (`step`, `codebook`, `block`, `v_cross`): the "read (optim)" column, about 1 byte a local
+  element. DCP's `FileSystemReader` adds one stored item in flight: it `torch.load`s each saved
+  chunk a read meets whole, then narrows it ("chunk": here a saving rank's piece of the fp32
+  embedding, 4 B x 50304 x 768 / 2).
+- `set_state_dict`: the live state built from the template while the template is held, and per
+  tensor, while that tensor is restored, `portable.restore`'s per-element fp32 copy of the saved
+  absmax and uint8 copy of the codes (5 B x the tensor's local elements); the zero step's state
+  is replaced.
 
-none of which grows with the number of ranks that saved or with the parameters other ranks
-hold. The old path (`read_dcp` + `consolidate` + `load_optimizer`) reads every rank's saved
-state into every rank and consolidates the whole model's state there before each rank cuts its
-piece: its growth is the whole checkpoint's optimizer state plus the whole consolidated state,
-the same on every rank at every world size.
+So the load's growth is at most: zero step's state + max(model shard + step scratch,
+read + chunk, read + live state + 5 B x the largest local tensor) over what was held before,
+all of them sizes of this rank's new shard (and one saved chunk), none growing with the parameters
+other ranks hold. The old path (`read_dcp` + `consolidate` + `load_optimizer`) reads every
+saving rank's state into every rank and consolidates the whole model's state there before each
+rank cuts its piece: its growth is the whole checkpoint's optimizer state plus the whole
+consolidated state (and `restore`'s 5 B x the largest whole tensor), the same on every rank at
+every world size.
 """
 
 
