@@ -14,26 +14,32 @@ group:
   phases, on every rank: PATH ``dcp`` is the plain loop (``get_state_dict``, ``dcp.load`` with
   no planner, ``set_state_dict``; gefen_dist fits DCP's default planner to Gefen's template);
   PATH ``old`` is what users did before it: the model by ``dcp.load``, the optimizer by
-  ``checkpoint.read_dcp`` + ``consolidate`` + ``load_optimizer``.
+  ``checkpoint.read_dcp`` + ``consolidate`` + ``load_optimizer``. Then ``malloc_trim`` and one
+  training step, for scale.
 
 Per rank and phase: VmRSS before and after, and VmHWM, the peak RSS, reset to the current RSS
-before each phase (``/proc/self/clear_refs`` ← 5; where the kernel refuses, VmHWM is read
-before and after instead, which reports the phase's peak only where it beats every earlier
-one). Also the live Gefen state (``memory_report``), the bytes read into the optimizer's
-template (the tensors DCP filled, a DTensor's local piece), the model shard's bytes, and the
-largest stored item a read of this rank loads whole (DCP's ``FileSystemReader`` ``torch.load``s
-each saved chunk that a read meets and then narrows it).
+before each phase (``/proc/self/clear_refs`` <- 5; where the kernel refuses, the record says so
+and a phase's peak is reported only where it beats every earlier one). Also the live Gefen state
+(``memory_report``), the bytes read into the optimizer's template (the tensors DCP filled, a
+DTensor's local piece), the model shard's bytes, and the largest stored item a read of this rank
+loads whole (DCP's ``FileSystemReader`` ``torch.load``s each saved chunk that a read meets and
+then narrows it). Every load runs twice: under glibc's default malloc (what users get; freed
+heap stays in RSS) and with ``MALLOC_MMAP_THRESHOLD_`` fixed at 128 KiB (RSS follows the
+memory in use). The report (``report``) sets each phase against the bound of
+``BOUND_TEXT``.
 
-Run everything (the launches one after another, then the report)::
+Run everything (the launches one after another, then the report; about 12 minutes on 2
+cores)::
 
     OMP_NUM_THREADS=1 python -m gefen_dist.bench.dcp_memory run --ck /tmp/dcp_memory_ck
 
 or a launch by hand::
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 -m gefen_dist.bench.dcp_memory \\
-        load /tmp/dcp_memory_ck /tmp/dcp_memory_ck/work dcp
+        load /tmp/dcp_memory_ck /tmp/dcp_memory_ck-work dcp
 
-``report WORK OUT`` writes ``OUT/dcp_memory.{json,md}`` from the launches' records.
+``report WORK [OUT]`` writes ``OUT/dcp_memory.{json,md}`` (default ``results/checkpoints``) from
+the launches' records. ``--shape 2,2,64,256`` makes a smoke test of a minute or two.
 """
 
 from __future__ import annotations
@@ -255,6 +261,7 @@ def _gather(row: dict) -> list[dict] | None:
 
 
 def _write(work: str, name: str, record: dict) -> None:
+    record = {**record, "revision": store.revision()["code"]}
     Path(work).mkdir(parents=True, exist_ok=True)
     (Path(work) / f"{name}.json").write_text(json.dumps(record, indent=1))
 
@@ -453,6 +460,11 @@ def _launch(argv: list[str]) -> None:
 
 
 # -- driver and report ---------------------------------------------------------------------------
+RESTORE_SCRATCH = 6 * 8 * (1 << 20)
+"""``portable.restore``'s scratch for one chunk of ``portable.CHUNK`` = 2^20 elements: its
+loops hold at most six temporaries of 8 bytes an element at once (element and block indices,
+int64; v and counts, float64), an estimate read from the code, not measured."""
+
 MMAP = "131072"
 """The fixed glibc mmap threshold of the second set of loads: every allocation of 128 KiB or
 more gets its own mapping, returned to the system when freed, so that RSS follows the memory in
@@ -523,8 +535,10 @@ def report(work: str, out: str) -> None:
     rev = store.revision()
     with open("/proc/meminfo") as f:
         mem = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal"))
+    ran = sorted({r.get("revision", "?") for r in [saved, *loads]})
     meta = dict(
         commands=json.loads(log.read_text()) if log.exists() else [],
+        launches_revision=ran,
         revision=rev["code"],
         head=rev["head"],
         machine=f"{platform.machine()}, {store.cpu_model()}, {os.cpu_count()} cores, "
@@ -540,7 +554,8 @@ def report(work: str, out: str) -> None:
         "",
         "Written by `gefen_dist/bench/dcp_memory.py` (its docstring says what is measured "
         "and how).  ",
-        f"Revision (last commit touching `gefen_dist/`): `{meta['revision']}`, HEAD "
+        f"Launches ran at (last commit touching `gefen_dist/`): "
+        f"{', '.join(f'`{r}`' for r in ran)}; report written at `{meta['revision']}`, HEAD "
         f"`{meta['head']}`  ",
         f"Machine: {meta['machine']}, torch {meta['torch']}; gloo, CPU, one thread a rank "
         "(the 4-rank launches share the 2 cores)  ",
@@ -617,10 +632,15 @@ def report(work: str, out: str) -> None:
         "`get_state_dict`: zero gradients (model shard) + the state of its zero step + that "
         "step's scratch (not bounded here: a training step's); `dcp.load`: read + chunk; "
         "`set_state_dict`: live state + 5 B x the largest local tensor (`portable.restore`'s "
-        "per-element absmax and codes copies) + the zero step's state it replaces.",
+        "per-element absmax and codes copies) + `restore`'s scratch for one chunk "
+        f"({_mib(RESTORE_SCRATCH)}). Read + restore: the higher peak of `dcp.load` and "
+        "`set_state_dict` over the RSS before the load, against the zero step's state + read + "
+        "max(chunk, the `set_state_dict` bound). Under glibc's default malloc the heap the zero "
+        "step freed stays in RSS (the per-rank table's \"after trim\"), so the phases' "
+        "growths mean the memory in use in the fixed mmap threshold's rows.",
         "",
         "| malloc | world | get_state_dict | bound w/o scratch | dcp.load | bound | "
-        "set_state_dict | bound | whole load | sum of bounds |",
+        "set_state_dict | bound | read + restore | bound |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for rec in loads:
@@ -632,11 +652,13 @@ def report(work: str, out: str) -> None:
         zero_state = g.get("state_bytes", 0)
         b_get = r["model_shard_bytes"] + zero_state
         b_load = r["optim_read_bytes"] + r["largest_stored_read"]
-        b_set = r["state_bytes"] + 5 * r["largest_local_numel"] + zero_state
+        b_set = r["state_bytes"] + 5 * r["largest_local_numel"] + RESTORE_SCRATCH
+        both = max(d["peak"], s_["peak"]) - r["rss_before_load"]
+        b_both = zero_state + r["optim_read_bytes"] + max(r["largest_stored_read"], b_set)
         lines.append(
             f"| {alloc} | {rec['world']} | {_mib(_grow(g))} | {_mib(b_get)} | {_mib(_grow(d))} | "
-            f"{_mib(b_load)} | {_mib(_grow(s_))} | {_mib(b_set)} | {_mib(r['growth'])} | "
-            f"{_mib(b_get + b_load + b_set)} |"
+            f"{_mib(b_load)} | {_mib(_grow(s_))} | {_mib(b_set)} | {_mib(both)} | "
+            f"{_mib(b_both)} |"
         )
     lines += ["", "Every phase (rank 0 of each launch; MiB):", ""]
     lines += [
@@ -665,8 +687,10 @@ BOUND_TEXT = """## The bound
 What a rank of the plain loop holds beyond its model shard and live state, phase by phase:
 
 - `get_state_dict` initialises the fresh optimizer by a zero-gradient step (torch's
-  `_init_optim_state`): zero gradients of the model shard's size for the step's duration, Gefen's
-  state from that step, and the step's own scratch, as in any training step.
+  `_init_optim_state`): zero gradients of the model shard's size for the step's duration,
+  Gefen's state from that step, and the step's own scratch, as in any training step. This
+  phase, not the read, sets the load's peak; it stays below or near one training step's peak
+  (the per-rank table's last column).
 - `dcp.load`: the new shard's template, which `fit_template` sizes from the checkpoint's
   metadata: per parameter, the per-element fields at this rank's layout (`codes` unpacked, 1
   byte an element, or `exp_avg` and `exp_avg_sq` where B = 1), the saved block values (`v`,
@@ -674,20 +698,23 @@ What a rank of the plain loop holds beyond its model shard and live state, phase
   (`step`, `codebook`, `block`, `v_cross`): the "read (optim)" column, about 1 byte a local
   element. DCP's `FileSystemReader` adds one stored item in flight: it `torch.load`s each saved
   chunk a read meets whole, then narrows it ("chunk": here a saving rank's piece of the fp32
-  embedding, 4 B x 50304 x 768 / 2).
+  embedding, 4 B x 50304 x 768 / 2, which the model's read brings).
 - `set_state_dict`: the live state built from the template while the template is held, and per
   tensor, while that tensor is restored, `portable.restore`'s per-element fp32 copy of the saved
-  absmax and uint8 copy of the codes (5 B x the tensor's local elements); the zero step's state
-  is replaced.
+  absmax and uint8 copy of the codes (5 B x the tensor's local elements), plus its scratch for
+  one chunk of 2^20 elements; the zero step's state is then replaced.
 
-So the load's growth is at most: zero step's state + max(model shard + step scratch,
-read + chunk, read + live state + 5 B x the largest local tensor) over what was held before,
-all of them sizes of this rank's new shard (and one saved chunk), none growing with the parameters
-other ranks hold. The old path (`read_dcp` + `consolidate` + `load_optimizer`) reads every
-saving rank's state into every rank and consolidates the whole model's state there before each
-rank cuts its piece: its growth is the whole checkpoint's optimizer state plus the whole
-consolidated state (and `restore`'s 5 B x the largest whole tensor), the same on every rank at
-every world size.
+So, over what it held before, a rank's growth during the load is at most
+
+    zero step's state + max(model shard + step scratch,
+                            read + max(chunk, live state + 5 B x largest local tensor + scratch))
+
+all of them sizes of this rank's new shard (and one saved chunk): none grows with the
+parameters other ranks hold. The old path (`read_dcp` + `consolidate` + `load_optimizer`)
+reads every saving rank's state into every rank and consolidates the whole model's state there
+before each rank cuts its piece: its growth is the whole checkpoint's optimizer state plus the
+whole consolidated state (and `restore`'s 5 B x the largest whole tensor), the same on every
+rank at every world size.
 """
 
 
