@@ -32,11 +32,16 @@ top) on those; the framework integrations on the optimizer; the demo and the sui
 
 FRAMEWORKS = {
     "deepspeed": {"gefen_dist.integrations.deepspeed"},
-    "torch.distributed.fsdp": {"gefen_dist.integrations.fsdp", "gefen_dist.bench.capacity"},
+    "torch.distributed.fsdp": {
+        "gefen_dist.integrations.fsdp",
+        "gefen_dist.bench.capacity",
+        "gefen_dist.bench.dcp_memory",
+    },
     "torchtitan": {"gefen_dist.integrations.torchtitan"},
 }
 """A framework's own imports and the one module (or package) that may make them: its integration
-(and, for FSDP, the suite's capacity probe, which measures the largest microbatch under FSDP2)."""
+(and, for FSDP, the suite's capacity probe, which measures the largest microbatch under FSDP2,
+and the checkpoint memory benchmark, which loads under FSDP2)."""
 
 
 def _layer(module: str) -> str:
