@@ -141,13 +141,15 @@ def fields(
 ) -> dict[str, Any]:
     """``p``'s state as this rank writes it (module docstring). A rank that keeps no state for
     ``p`` (an empty piece, or a parameter not stepped yet) writes the format key alone."""
-    mark = torch.tensor([FORMAT, run_number(run)], dtype=torch.int64)
+    number = run_number(run)
+    mark = torch.tensor([FORMAT, number], dtype=torch.int64)
     named = [s for s in segs if s.name and s.numel]
     if st is None or not named:
         return {FORMAT_KEY: mark}
     rows = rows_of(p)
     parts = portable.export(st, segs)
-    if sum(ts.pieces[0].numel for ts in parts) != rows.numel:
+    pieces = [ts.pieces[0] for ts in parts]  # one per segment, in local order
+    if sum(pc.numel for pc in pieces) != rows.numel:
         raise RuntimeError(f"{named[0].name}: the state's segments do not tile this rank's rows")
     block = parts[0].block_size
     out: dict[str, Any] = {
@@ -157,14 +159,13 @@ def fields(
         "block": torch.tensor(block, dtype=torch.int64),
     }
     if block == 1:
-        out["exp_avg"] = _as_param(p, torch.cat([ts.pieces[0].exp_avg for ts in parts]))
-        out["exp_avg_sq"] = _as_param(p, torch.cat([ts.pieces[0].exp_avg_sq for ts in parts]))
+        out["exp_avg"] = _as_param(p, torch.cat([pc.exp_avg for pc in pieces]))
+        out["exp_avg_sq"] = _as_param(p, torch.cat([pc.exp_avg_sq for pc in pieces]))
         return out
     if parts[0].v_cross.numel():
         out["v_cross"] = parts[0].v_cross
-    out["codes"] = _as_param(p, torch.cat([ts.pieces[0].codes for ts in parts]))
-    pieces = [ts.pieces[0] for ts in parts]
-    table = [[pc.start, pc.numel, run_number(run)] for pc in pieces]
+    out["codes"] = _as_param(p, torch.cat([pc.codes for pc in pieces]))
+    table = [[pc.start, pc.numel, number] for pc in pieces]
     out[f"pieces.{rows.key}"] = torch.tensor(table, dtype=torch.int64)
     out[f"v.{rows.key}"] = torch.cat([pc.v for pc in pieces])
     out[f"absmax.{rows.key}"] = torch.cat([pc.absmax for pc in pieces])

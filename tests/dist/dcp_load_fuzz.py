@@ -38,11 +38,9 @@ def _tensors(entry: dict, rank: int, fn) -> None:
     """Apply ``fn`` to what ``rank`` saved of one parameter's Gefen state (global fields,
     ``gefen_dist.integrations.dcp``): its range's v and absmax, its rows of the per-element
     fields, and the shared v_cross, as one dict of the live names."""
-    ranges = sorted((k[len("pieces.") :] for k in entry if k.startswith("pieces.")),
-                    key=lambda r: int(r.split(".")[0]))  # fmt: skip
+    key = _range_key(entry, rank)
     view, rows = {}, None
-    if ranges:
-        key = ranges[rank]
+    if key:
         view.update(v=entry[f"v.{key}"], absmax=entry[f"absmax.{key}"])
     for name in ("codes", "exp_avg", "exp_avg_sq"):
         if name in entry:
@@ -51,7 +49,7 @@ def _tensors(entry: dict, rank: int, fn) -> None:
     if "v_cross" in entry:
         view["v_cross"] = entry["v_cross"]
     fn(view)
-    if ranges:
+    if key:
         entry[f"v.{key}"], entry[f"absmax.{key}"] = view["v"], view["absmax"]
     for name in ("codes", "exp_avg", "exp_avg_sq"):
         if name in view:
@@ -61,10 +59,12 @@ def _tensors(entry: dict, rank: int, fn) -> None:
         entry["v_cross"] = view["v_cross"]
 
 
-def _range_key(entry: dict, rank: int) -> str:
+def _range_key(entry: dict, rank: int) -> str | None:
+    """The element range ``{start}.{numel}`` that ``rank`` saved its block values under (None
+    where the parameter keeps none: B = 1)."""
     ranges = sorted((k[len("pieces.") :] for k in entry if k.startswith("pieces.")),
                     key=lambda r: int(r.split(".")[0]))  # fmt: skip
-    return ranges[rank]
+    return ranges[rank] if ranges else None
 
 
 def _set(t: torch.Tensor, i: int, value: float) -> torch.Tensor:

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsdp_common import gefen, init, train, write
+from fsdp_checkpoint import equal_states, raw_state
+from fsdp_common import gefen, init, jobs, train, write
 from hsdp_common import wrap
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -52,10 +53,6 @@ def built(layout: str, bits: int):
     else:
         model = wrap("gpt", "fsdp2_world" if layout == "fsdp2" else layout)
     return model, gefen(model.parameters(), bits)
-
-
-def raw(opt) -> list[dict[str, torch.Tensor]]:
-    return [{k: v.detach().cpu().clone() for k, v in st.items()} for st in opt.state.values()]
 
 
 def blocks(model, opt) -> dict[str, int]:
@@ -92,7 +89,7 @@ def save(out: str, ck: str, layout: str, steps: int, save_at: int, bits: int) ->
     losses = train(kind_of(layout), model, opt, 0, save_at, split=layout != "odd")
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{ck}/{name}")
-    torch.save(raw(opt), f"{ck}/{name}/raw{dist.get_rank()}.pt")
+    torch.save(raw_state(opt), f"{ck}/{name}/raw{dist.get_rank()}.pt")
     losses += train(kind_of(layout), model, opt, save_at, steps - save_at, split=layout != "odd")
     write(f"{out}/save-{name}", dict(losses=losses, blocks=blocks(model, opt)))
 
@@ -106,12 +103,7 @@ def resume(out: str, ck: str, saved: str, layout: str, save_at: int, steps: int,
     mine = Path(f"{ck}/{saved}/raw{dist.get_rank()}.pt")
     same = None
     if saved == f"{layout}-w{dist.get_world_size()}" and mine.exists():
-        was = torch.load(mine, weights_only=True)
-        now = raw(opt)
-        same = len(was) == len(now) and all(
-            a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-            for a, b in zip(was, now, strict=True)
-        )
+        same = equal_states(raw_state(opt), torch.load(mine, weights_only=True))
     result = dict(
         blocks=blocks(model, opt), state_as_saved=same, read_bytes=read, saved_bytes=whole
     )
@@ -139,20 +131,14 @@ def legacy(out: str, ck: str) -> None:
     tree, _ = checkpoint.consolidate(checkpoint.read_dcp(ck))
     set_model_state_dict(other, tree["model"], options=StateDictOptions(full_state_dict=True))
     checkpoint.load_optimizer(other_opt, other, tree["optim"])
-    was, now = raw(other_opt), raw(opt)
-    same = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-               for a, b in zip(was, now, strict=True))  # fmt: skip
+    same = equal_states(raw_state(other_opt), raw_state(opt))
     losses = train("odd", model, opt, 3, 4)
     write(f"{out}/legacy-w{dist.get_world_size()}", dict(losses=losses, as_consolidated=same))
 
 
 def main() -> None:
     init()
-    argv = sys.argv[1:]
-    while argv:
-        job, argv = (
-            (argv[: argv.index("+")], argv[argv.index("+") + 1 :]) if "+" in argv else (argv, [])
-        )
+    for job in jobs(sys.argv[1:]):
         mode, out, ck, *rest = job
         if mode == "save":
             layout, steps, save_at, bits = rest

@@ -208,3 +208,16 @@ def write(out: str, result: dict) -> None:
 def init() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo")
+
+
+def jobs(argv: list[str]):
+    """The jobs of a command line joined by ``+`` (one launch's start-up for several), each as
+    its list of words, in order."""
+    while argv:
+        if "+" in argv:
+            cut = argv.index("+")
+            yield argv[:cut]
+            argv = argv[cut + 1 :]
+        else:
+            yield argv
+            argv = []

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsdp_common import TINY, gefen, init, shard, train, wrap, write
+from fsdp_common import TINY, gefen, init, jobs, shard, train, wrap, write
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -200,11 +200,7 @@ def main() -> None:
     joined by ``+`` (the save, then its resume at this world size: one launch's start-up, not
     two); the job's models are freed before the next."""
     init()
-    argv = sys.argv[1:]
-    while argv:
-        job, argv = (
-            (argv[: argv.index("+")], argv[argv.index("+") + 1 :]) if "+" in argv else (argv, [])
-        )
+    for job in jobs(sys.argv[1:]):
         mode, out, ck, *rest = job
         if mode == "save":
             steps, save_at, bits = map(int, rest)
