@@ -229,3 +229,62 @@ def test_full_state_dict_resumes_in_one_process_within_bound(ck, eq, layout):
         drift = resume_drift(saved["losses"], got["losses"], 3)
         assert drift[0] <= FIRST_TOL and max(drift) <= ONE_PROCESS_TOL, drift
         assert got["blocks"] == sorted(set(ref.values()))
+
+
+# -- another mesh, with nothing but DCP's own calls ---------------------------------------------
+@pytest.fixture(scope="module")
+def reshard(ck, tmp_path_factory):
+    """After ``ck`` (whose save the equivalence launch made): the (2, 2) checkpoint loaded at
+    (dp=1, tp=4) and by FSDP2 alone, and a (1, 4) run's checkpoint loaded at (2, 2)."""
+    root = tmp_path_factory.mktemp("tp_reshard")
+    ckdir = sorted(tmp_path_factory.getbasetemp().glob("tp_eq*"))[-1] / "ck"
+    torchrun("tp_checkpoint.py", "reshard", str(root), str(ckdir), str(BITS), nproc=WORLD)
+    return read_results(root, ranks=WORLD)
+
+
+RESHARDS = ("tp4", "fsdp", "tp4_to_2x2")
+
+
+def _uninterrupted(ck, reshard, case: str) -> list[float]:
+    return reshard[0]["saved_tp4"]["losses"] if case == "tp4_to_2x2" else ck["save"][0]["losses"]
+
+
+def test_reshard_report(ck, reshard, capsys):
+    """The figures docs/checkpoints.md quotes (``pytest tests/test_tp.py -s -k reshard``)."""
+    with capsys.disabled():
+        print("\nFSDP2 + TP, plain DCP: first, largest relative loss difference; read share")
+        for case in RESHARDS:
+            d = resume_drift(_uninterrupted(ck, reshard, case), reshard[0][case]["losses"], 3)
+            share = max(r[case]["read_bytes"] / r[case]["saved_bytes"] for r in reshard)
+            print(f"  {case}: {d[0]:.1e}, {max(d):.1e}; {share:.2f}")
+
+
+@pytest.mark.parametrize("case", RESHARDS)
+def test_plain_dcp_resumes_at_another_mesh_within_the_elastic_bound(ck, reshard, eq, case):
+    """(2, 2) -> (1, 4), (2, 2) -> FSDP2 without tensor parallelism, (1, 4) -> (2, 2): each rank
+    cuts its pieces from the saved ones (``integrations.dcp``, ``method.portable``). The rows of
+    a rowwise weight's piece share their column v; loaded at another tp they are merged or
+    split per column, so the drift is the elastic one, against the run that never stopped."""
+    ref = eq[0]["ref"]["blocks"]
+    for r in reshard:
+        got = r[case]
+        drift = resume_drift(_uninterrupted(ck, reshard, case), got["losses"], 3)
+        assert drift[0] <= FIRST_TOL and max(drift) <= NEW_WORLD_TOL, drift
+        assert got["blocks"] == ref  # the single-process blocks, not the template's
+        assert got["losses"] == reshard[0][case]["losses"]
+
+
+@pytest.mark.parametrize("case", RESHARDS)
+def test_each_rank_reads_its_share_of_a_tensor_parallel_checkpoint(reshard, case):
+    """Its pieces' share of the per-element fields (codes; m and v where B = 1: each tensor's times
+    the share of its elements the rank holds), exactly, never the whole; and of the rest (block
+    values, and what every rank shares: step, codebook, the factor) at most one copy. Under tensor
+    parallelism a saved rank's element range (first to last element held) spans the rows of every tp
+    rank, so a new rank may read every saved rank's block values of a rowwise weight: at most 8
+    bytes per B elements (a column's, for column blocks) against the codes' one per element."""
+    for r in reshard:
+        got = r[case]
+        assert 0 < got["read_per_element"] == got["share_per_element"], got
+        assert got["read_per_element"] < got["saved_per_element"] / 2, got
+        rest = got["read_bytes"] - got["read_per_element"]
+        assert rest <= got["saved_bytes"] - got["saved_per_element"], got

@@ -1,34 +1,40 @@
 """Gefen's state in each parameter's global coordinates, which DCP reshards by itself.
 
-A DTensor parameter whose local piece is one run of its rows (FSDP2 and HSDP, and expert
-weights under FSDP2 over expert parallelism: every placement shards dim 0 or is
-``Replicate()``) is saved under keys that name no rank:
+Every DTensor parameter (FSDP2 and HSDP, tensor parallelism, expert parallelism, and their
+meshes together) is saved under keys that name no rank:
 
 - ``gefen.format``: ``[2, run id]``, the same on every rank;
 - ``step``, ``codebook``, ``block`` (the block size), ``v_cross`` (where the tensor keeps
   one): plain tensors every rank holds alike, so DCP keeps one copy;
 - per element, DTensors with the parameter's shape and placements: ``codes`` (one code per
-  byte, so that any row boundary cuts no byte), or ``exp_avg`` and ``exp_avg_sq`` where
-  B = 1; DCP reads any saved layout into any new one, exactly;
-- per block piece, named by the global element range ``{start}.{numel}`` of the saving rank's
-  piece: ``v.{range}`` and ``absmax.{range}`` (the pieces' values, in element order) and
-  ``pieces.{range}`` (their ``(start, numel, run)`` rows). A block that a saving boundary cut
-  is saved as its two pieces; the loader merges or splits them by ``method.portable``'s rules
+  byte, so that any boundary cuts no byte), or ``exp_avg`` and ``exp_avg_sq`` where B = 1;
+  DCP reads any saved layout into any new one, exactly;
+- per block piece, under the global element range ``{start}.{numel}`` from the first to the
+  last element the saving rank holds: ``v.{range}`` and ``absmax.{range}`` (the pieces' values,
+  in element order) and ``pieces.{range}``, one ``(start, numel, run, source)`` row per piece.
+  A rank's piece is one run of the flattened tensor where only dim 0 is cut, and a run per
+  local row where an inner dim is (a ``RowwiseParallel`` weight); rows of such a piece that
+  share one v and absmax per column (``state.block_owners``) name the first row as their
+  ``source`` and store no values of their own. A block that a saving boundary cut is saved as
+  its two pieces; the loader merges or splits them by ``method.portable``'s rules
   (element-weighted mean of v, max of absmax, codes requantised), so a resume at the saving
   layout is bit for bit and one at another layout has the drift of ``docs/checkpoints.md``.
+  Tables of three columns (no ``source``: every row its own) load as before.
 
-The template problem. DCP loads the keys of a template, which ``get_state_dict`` builds on a
-fresh optimizer with a zero-gradient step, and the saved structure (block size, which keys
-exist, the saving layout's ranges) is chosen from the first real gradients, so no template
-built without the checkpoint names the right keys. ``fit_template`` rewrites each Gefen
-parameter's part of a template from the checkpoint's metadata, before DCP plans its reads: a
-rank asks for the per-element fields at its own layout and for the per-block ranges that
-overlap its rows, nothing else, so no rank reads more than its new shard plus the saved
-pieces at its two ends. ``LoadPlanner`` does that for ``dcp.load(..., planner=LoadPlanner())``;
-and because loaders that build their own ``DefaultLoadPlanner`` (Accelerate's FSDP2 load,
-torchtitan's ``CheckpointManager``, ``dcp.load`` without a planner) cannot be handed one,
-``extend_default_planner`` makes ``DefaultLoadPlanner.set_up_planner`` call ``fit_template``
-first, where a template holds Gefen's ``gefen.format`` key and nowhere else.
+The template problem. DCP loads the keys of a template, which ``get_state_dict`` builds on a fresh
+optimizer with a zero-gradient step, and the saved structure (block size, which keys exist, the
+saving layout's ranges) is chosen from the first real gradients, so no template built without the
+checkpoint names the right keys. ``fit_template`` rewrites each Gefen parameter's part of a template
+from the checkpoint's metadata, before DCP plans its reads: a rank asks for the per-element fields
+at its own layout and for the per-block ranges that meet its elements, nothing else: its new shard
+of the per-element fields, plus the block values of the saved ranges its elements meet (under FSDP2
+the pieces at its two ends; under tensor parallelism a saved range spans every tp rank's columns of
+its rows, so up to all block values of a rowwise weight, at 8 bytes per block against the codes' one
+per element). ``LoadPlanner`` does that for ``dcp.load(..., planner=LoadPlanner())``; and because
+loaders that build their own ``DefaultLoadPlanner`` (Accelerate's FSDP2 load, torchtitan's
+``CheckpointManager``, ``dcp.load`` without a planner) cannot be handed one,
+``extend_default_planner`` makes ``DefaultLoadPlanner.set_up_planner`` call ``fit_template`` first,
+where a template holds Gefen's ``gefen.format`` key and nowhere else.
 
 Checkpoints in the per-rank format (``gefen.rank{r}`` entries) are fitted too: the template
 asks for every saved rank's entry, which ``integrations.fsdp`` re-cuts.
@@ -36,6 +42,7 @@ asks for every saved rank's entry, which ``integrations.fsdp`` re-cuts.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,9 +55,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..distributed import sharding
 from ..method import portable
 from ..method.segments import Segment, num_blocks, whole_tensor
+from ..method.state import bits_of, block_owners, layout_rows
 
 try:
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
 except ImportError:  # a torch build without distributed
     DTensor = None
 
@@ -74,51 +82,58 @@ _SHARED = ("step", "codebook", "block", "v_cross")
 
 
 def global_fields(p: torch.Tensor) -> bool:
-    """Whether ``p``'s state is saved in global coordinates: a DTensor sharded on dim 0 alone
-    (``Shard(0)``, FSDP2's ``_StridedShard(0)`` over expert parallelism's ``Shard(0)``, or
-    ``Replicate()``), whose local piece is one run of rows. Other layouts (tensor-parallel inner
-    dims, FSDP1) keep the per-rank format (``integrations.fsdp``). Decided by the placements,
-    so every rank decides alike."""
-    if not sharding.is_dtensor(p) or p.dim() == 0:
-        return False
-    return all(
-        isinstance(pl, Replicate) or (sharding.is_shard(pl) and pl.dim == 0) for pl in p.placements
-    )
+    """Whether ``p``'s state is saved in global coordinates: every DTensor parameter (FSDP2,
+    HSDP, tensor parallelism, expert parallelism; its placements are ``Shard``,
+    ``_StridedShard`` or ``Replicate``, ``sharding.check_layout``). FSDP1's flat and
+    ``use_orig_params`` pieces keep the per-rank format (``integrations.fsdp``). Decided by the
+    parameter's type, so every rank decides alike."""
+    return sharding.is_dtensor(p) and p.dim() > 0
 
 
 @dataclass(frozen=True)
-class Rows:
-    """The elements ``[start, start + numel)`` of the flattened tensor that this rank holds."""
+class Held:
+    """The elements of a tensor that this rank holds: runs of the flattened tensor, each a
+    ``Segment`` (offset in the local tensor, numel, start in the tensor), in local order. One
+    run where only dim 0 is cut (FSDP2, HSDP, expert parallelism), one per local row where an
+    inner dim is (a ``RowwiseParallel`` weight: some columns of every row)."""
 
-    start: int
-    numel: int
+    runs: tuple[Segment, ...]
+
+    @classmethod
+    def of(cls, segs: list[Segment]) -> Held:
+        return cls(tuple(sorted((s for s in segs if s.numel), key=lambda s: s.offset)))
+
+    @functools.cached_property
+    def _by_start(self) -> tuple[Segment, ...]:
+        return tuple(sorted(self.runs, key=lambda s: s.start))
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.runs)
 
     @property
     def key(self) -> str:
-        return f"{self.start}.{self.numel}"
+        """The range from the first element held to the last: the name of this rank's block
+        values in a checkpoint (``{start}.{numel}``)."""
+        if not self.runs:
+            return "0.0"
+        lo = self._by_start[0].start
+        return f"{lo}.{max(s.start + s.numel for s in self.runs) - lo}"
 
-    def meets(self, other: Rows) -> bool:
-        return self.start < other.start + other.numel and other.start < self.start + self.numel
+    def meets(self, start: int, numel: int) -> bool:
+        """Whether any run holds an element of [start, start + numel)."""
+        runs = self._by_start
+        k = bisect.bisect_left(runs, start + numel, key=lambda s: s.start)
+        return k > 0 and runs[k - 1].start + runs[k - 1].numel > start
+
+    def take(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of a whole flattened tensor, in local order."""
+        return torch.cat([flat[s.start : s.start + s.numel] for s in self.runs] or [flat[:0]])
 
 
-def rows_of(p: torch.Tensor) -> Rows:
-    """The run of rows a DTensor sharded on dim 0 holds here, from the same walk over its
-    placements as its segments (``sharding.dim_indices``)."""
-    row = 1
-    for s in p.shape[1:]:
-        row *= s
-    first = sharding.dim_indices(p)[0]
-    if first is None:
-        return Rows(0, p.shape[0] * row)
-    if first.numel() == 0:
-        return Rows(0, 0)
-    lo = int(first[0])
-    if not torch.equal(first, torch.arange(lo, lo + first.numel())):
-        raise RuntimeError(
-            f"placements {tuple(p.placements)} give this rank rows that are not one run: "
-            "its state cannot be saved in global coordinates"
-        )
-    return Rows(lo * row, first.numel() * row)
+def held_of(p: torch.Tensor) -> Held:
+    """The runs a DTensor's local piece holds (``sharding.piece_segments``)."""
+    return Held.of(sharding.piece_segments(p, ""))
 
 
 def _as_param(p: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -146,11 +161,11 @@ def fields(
     named = [s for s in segs if s.name and s.numel]
     if st is None or not named:
         return {FORMAT_KEY: mark}
-    rows = rows_of(p)
+    held = Held.of(named)
     parts = portable.export(st, segs)
-    pieces = [ts.pieces[0] for ts in parts]  # one per segment, in local order
-    if sum(pc.numel for pc in pieces) != rows.numel:
-        raise RuntimeError(f"{named[0].name}: the state's segments do not tile this rank's rows")
+    pieces = [ts.pieces[0] for ts in parts]  # one per named segment, in local order
+    if [(pc.start, pc.numel) for pc in pieces] != [(s.start, s.numel) for s in held.runs]:
+        raise RuntimeError(f"{named[0].name}: the state's segments are not this rank's runs")
     block = parts[0].block_size
     out: dict[str, Any] = {
         FORMAT_KEY: mark,
@@ -165,11 +180,22 @@ def fields(
     if parts[0].v_cross.numel():
         out["v_cross"] = parts[0].v_cross
     out["codes"] = _as_param(p, torch.cat([pc.codes for pc in pieces]))
-    table = [[pc.start, pc.numel, number] for pc in pieces]
-    out[f"pieces.{rows.key}"] = torch.tensor(table, dtype=torch.int64)
-    out[f"v.{rows.key}"] = torch.cat([pc.v for pc in pieces])
-    out[f"absmax.{rows.key}"] = torch.cat([pc.absmax for pc in pieces])
+    source = _value_sources(st, segs)
+    table = [[pc.start, pc.numel, number, src] for pc, src in zip(pieces, source, strict=True)]
+    own = [pc for k, pc in enumerate(pieces) if source[k] == k]
+    out[f"pieces.{held.key}"] = torch.tensor(table, dtype=torch.int64)
+    out[f"v.{held.key}"] = torch.cat([pc.v for pc in own])
+    out[f"absmax.{held.key}"] = torch.cat([pc.absmax for pc in own])
     return out
+
+
+def _value_sources(st: dict[str, torch.Tensor], segs: list[Segment]) -> list[int]:
+    """Per named segment, the index of the one whose block values it uses: its own, or the first
+    row of a run of rows that share column blocks (``state.block_owners``: a tensor-parallel
+    piece's rows share one v and absmax per column, which are saved once, not once per row)."""
+    owners = block_owners(layout_rows(st), bits_of(st["codebook"]))
+    index = {k: i for i, k in enumerate(k for k, s in enumerate(segs) if s.name and s.numel)}
+    return [index[owners[k]] for k in index]
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -179,9 +205,9 @@ def _range_keys(saved: Mapping[str, Any]) -> list[str]:
     )
 
 
-def _mine(value: Any, rows: Rows, what: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """This rank's elements of a per-element field: a DTensor read at this layout, or the whole
-    tensor (a checkpoint read into one process)."""
+def _mine(value: Any, held: Held, what: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's elements of a per-element field, in local order: a DTensor read at this
+    layout, or the whole tensor (a checkpoint read into one process)."""
     if sharding.is_dtensor(value):
         if tuple(value.shape) != shape:
             raise ValueError(
@@ -194,54 +220,91 @@ def _mine(value: Any, rows: Rows, what: str, name: str, shape: tuple[int, ...]) 
         raise ValueError(
             f"Gefen state for {name}: {what} is {got}, the parameter's shape is {shape}"
         )
-    return value.reshape(-1)[rows.start : rows.start + rows.numel]
+    return held.take(value.reshape(-1))
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One saved block piece: elements [start, start + numel), its block values at ``at`` in
+    its range's ``v`` and ``absmax``."""
+
+    start: int
+    numel: int
+    at: int
+    blocks: int
+
+
+def _table_rows(
+    table: Any, key: str, block: int, run: int, count: tuple[int, int], name: str
+) -> list[_Row]:
+    """A range's ``pieces`` table read and checked: ``(start, numel, run)`` rows, or
+    ``(start, numel, run, source)`` where a row uses an earlier row's block values (the rows of
+    a tensor-parallel piece that share column blocks); ``count``: the range's v and absmax
+    lengths, which its own rows' blocks must fill."""
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] not in (3, 4):
+        raise ValueError(
+            f"Gefen state for {name}: pieces.{key} is not a (start, numel, run[, source]) table"
+        )
+    rows: list[_Row] = []
+    own: set[int] = set()
+    off = 0
+    for i, (start, numel, piece_run, *src) in enumerate(table.tolist()):
+        if piece_run != run:
+            raise ValueError(
+                f"Gefen state for {name}: the pieces of elements {key} are from another run "
+                f"({piece_run:x}) than the checkpoint's ({run:x}); the loader kept this "
+                "rank's own value (gefen_dist.integrations.dcp)"
+            )
+        j = src[0] if src else i
+        if j == i:
+            nb = num_blocks(start, numel, block)
+            rows.append(_Row(start, numel, off, nb))
+            own.add(i)
+            off += nb
+            continue
+        if j not in own or block >= 0 or rows[j].numel != numel or (rows[j].start - start) % block:
+            raise ValueError(
+                f"Gefen state for {name}: pieces.{key} row {i} takes the block values of row "
+                f"{j}, which is not an earlier piece of the same columns"
+            )
+        rows.append(_Row(start, numel, rows[j].at, rows[j].blocks))
+    if (off, off) != count:
+        raise ValueError(
+            f"Gefen state for {name}: elements {key} hold {count[0]} v and {count[1]} absmax "
+            f"values, their pieces' blocks are {off}"
+        )
+    return rows
 
 
 def _saved_pieces(
-    saved: Mapping[str, Any], rows: Rows, block: int, codes: torch.Tensor, run: int, name: str
+    saved: Mapping[str, Any], held: Held, block: int, codes: torch.Tensor, run: int, name: str
 ) -> list[portable.Piece]:
-    """The saved block pieces that meet ``rows``, each reading its codes from ``codes`` (this
-    rank's elements, which DCP already brought to this layout)."""
+    """The saved block pieces that meet this rank's elements, each reading its codes from
+    ``codes`` (this rank's elements, which DCP already brought to this layout)."""
     out = []
     for key in _range_keys(saved):
-        table, v, absmax = saved[f"pieces.{key}"], saved.get(f"v.{key}"), saved.get(f"absmax.{key}")
-        if v is None or absmax is None:
+        v, absmax = saved.get(f"v.{key}"), saved.get(f"absmax.{key}")
+        if not isinstance(v, torch.Tensor) or not isinstance(absmax, torch.Tensor):
             raise ValueError(
                 f"Gefen state for {name}: the block values of elements {key} are missing"
             )
-        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] != 3:
-            raise ValueError(
-                f"Gefen state for {name}: pieces.{key} is not a (start, numel, run) table"
-            )
-        off = 0
-        for start, numel, piece_run in table.tolist():
-            if piece_run != run:
-                raise ValueError(
-                    f"Gefen state for {name}: the pieces of elements {key} are from another run "
-                    f"({piece_run:x}) than the checkpoint's ({run:x}); the loader kept this "
-                    "rank's own value (gefen_dist.integrations.dcp)"
-                )
-            nb = num_blocks(start, numel, block)
-            if rows.meets(Rows(start, numel)):
+        count = (v.numel(), absmax.numel())
+        for row in _table_rows(saved[f"pieces.{key}"], key, block, run, count, name):
+            if held.meets(row.start, row.numel):
                 out.append(
                     portable.Piece(
-                        start, numel, codes=codes, codes_at=rows.start,
-                        v=v[off : off + nb].float(), absmax=absmax[off : off + nb].float(),
+                        row.start, row.numel, codes=codes, codes_held=held._by_start,
+                        v=v[row.at : row.at + row.blocks].float(),
+                        absmax=absmax[row.at : row.at + row.blocks].float(),
                     )
                 )  # fmt: skip
-            off += nb
-        if off != v.numel() or off != absmax.numel():
-            raise ValueError(
-                f"Gefen state for {name}: elements {key} hold {v.numel()} v and "
-                f"{absmax.numel()} absmax values, their pieces' blocks are {off}"
-            )
     return sorted(out, key=lambda pc: pc.start)
 
 
 def restore(
-    saved: Mapping[str, Any], rows: Rows, segs: list[Segment], shape: tuple[int, ...], name: str
+    saved: Mapping[str, Any], segs: list[Segment], shape: tuple[int, ...], name: str
 ) -> dict[str, torch.Tensor] | None:
-    """The state of this rank's ``segs`` (elements ``rows`` of a tensor of ``shape``) from a
+    """The state of this rank's ``segs`` (its piece of a tensor of ``shape``) from a
     parameter's fields as DCP read them at this layout (``fit_template``), or read whole; None
     where the checkpoint holds no state for the parameter or this rank holds none of it."""
     mark = saved.get(FORMAT_KEY)
@@ -257,17 +320,23 @@ def restore(
             raise ValueError(f"Gefen state for {name}: {key!r} holds NaN or inf")
     block = int(saved["block"])
     tensor = named[0].name
+    held = Held.of(named)
     if block == 1:
-        pieces = [
-            portable.Piece(
-                rows.start, rows.numel,
-                exp_avg=_mine(saved["exp_avg"], rows, "exp_avg", name, shape),
-                exp_avg_sq=_mine(saved["exp_avg_sq"], rows, "exp_avg_sq", name, shape),
-            )
-        ]  # fmt: skip
+        m = _mine(saved["exp_avg"], held, "exp_avg", name, shape)
+        v = _mine(saved["exp_avg_sq"], held, "exp_avg_sq", name, shape)
+        pieces = sorted(
+            (
+                portable.Piece(
+                    s.start, s.numel, exp_avg=m[s.offset : s.offset + s.numel],
+                    exp_avg_sq=v[s.offset : s.offset + s.numel],
+                )
+                for s in _local_runs(held)
+            ),
+            key=lambda pc: pc.start,
+        )  # fmt: skip
     else:
-        codes = _mine(saved["codes"], rows, "codes", name, shape)
-        pieces = _saved_pieces(saved, rows, block, codes, int(mark[1]), name)
+        codes = _mine(saved["codes"], held, "codes", name, shape)
+        pieces = _saved_pieces(saved, _local(held), block, codes, int(mark[1]), name)
     v_cross = saved.get("v_cross")
     ts = portable.TensorState(
         tensor, tuple(shape), block, float(saved["step"]), saved["codebook"].float(),
@@ -281,13 +350,24 @@ def restore(
         raise ValueError(f"Gefen state for {name}: {e}") from None
 
 
+def _local_runs(held: Held) -> list[Segment]:
+    """``held``'s runs at their offsets in the local order ``_mine`` returns (the runs one after
+    the other, as a local tensor and ``Held.take`` lay them out)."""
+    out, at = [], 0
+    for s in held.runs:
+        out.append(Segment(at, s.numel, s.start, s.shape, s.name))
+        at += s.numel
+    return out
+
+
+def _local(held: Held) -> Held:
+    return Held(tuple(_local_runs(held)))
+
+
 def whole_state(saved: Mapping[str, Any], shape: tuple[int, ...], name: str) -> dict | None:
     """A parameter's fields read whole (one process) as the single-process state of the whole
     tensor: what ``gefen_dist.checkpoint.consolidate`` writes."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    return restore(saved, Rows(0, numel), whole_tensor(tuple(shape), name), tuple(shape), name)
+    return restore(saved, whole_tensor(tuple(shape), name), tuple(shape), name)
 
 
 # -- the template --------------------------------------------------------------------------------
@@ -306,7 +386,7 @@ def _fit_new(sub: dict, head: str, prefix: str, md: Mapping[str, Any], where: st
     source = next((v for v in mine.values() if sharding.is_dtensor(v)), None)
     if source is None:
         return  # a template of whole tensors (one process reads everything), or no state here
-    rows = rows_of(source)
+    held = held_of(source)
     new: dict[str, Any] = {}
     for key, meta in md.items():
         if not key.startswith(prefix + ".") or not isinstance(meta, TensorStorageMetadata):
@@ -327,7 +407,7 @@ def _fit_new(sub: dict, head: str, prefix: str, md: Mapping[str, Any], where: st
             )  # fmt: skip
         elif name.split(".", 1)[0] in _PER_RANGE and name.count(".") == 2:
             start, numel = (int(x) for x in name.split(".")[1:])
-            if rows.meets(Rows(start, numel)):
+            if held.meets(start, numel):
                 new[name] = torch.empty(meta.size, dtype=dtype)
         elif name in _SHARED or name == FORMAT_KEY:
             new[name] = torch.empty(meta.size, dtype=dtype)

@@ -30,12 +30,11 @@ per block, bf16 moments only where B = 1) and it differs per rank. Both framewor
 opposite: FSDP1 treats every positive-dim state tensor as flat-shard shaped and all-gathers and
 unflattens it, and ``torch.distributed.checkpoint`` (DCP) treats a plain tensor that appears under
 the same key on every rank as replicated and keeps one rank's copy. ``configure`` therefore
-installs optimizer state-dict hooks. A DTensor parameter sharded on dim 0 alone (FSDP2, HSDP,
-expert parallelism) is written in its global coordinates, which DCP reshards
-(``integrations.dcp``). Every other parameter sharded over ranks (FSDP1, tensor parallelism)
-has its Gefen tensors replaced by one ``bytes`` value keyed by the owning rank,
-``"gefen.rank{r}"``, next to the usual 0-dim ``"step"`` (and, for DTensor parameters, the
-codebook, which every rank shares):
+installs optimizer state-dict hooks. A DTensor parameter (FSDP2, HSDP, tensor and expert
+parallelism) is written in its global coordinates, which DCP reshards (``integrations.dcp``).
+An FSDP1 piece has its Gefen tensors replaced by one ``bytes`` value keyed by the owning rank,
+``"gefen.rank{r}"``, next to the usual 0-dim ``"step"`` (checkpoints that earlier versions
+wrote for DTensor parameters in this format, with the codebook beside it, still load):
 
 - FSDP1 passes non-tensor state through (``use_orig_params=False``) or all-gathers and merges it
   by name (``use_orig_params=True``), and DCP writes each key once, so no rank's state is lost
@@ -637,12 +636,10 @@ def _from_fields(
     if not dcp_fields.global_fields(p):
         raise ValueError(
             f"the checkpoint holds Gefen state in global coordinates for {name}, which this run "
-            f"lays out as {sharding.layout(p)}: only placements that shard dim 0 alone (FSDP2, "
-            "HSDP, expert parallelism) read it; consolidate it first "
-            "(gefen_dist.checkpoint.consolidate)"
+            "holds as an FSDP1 piece: only DTensor parameters (FSDP2, HSDP, tensor and expert "
+            "parallelism) read it; consolidate it first (gefen_dist.checkpoint.consolidate)"
         )
-    segs = opt.segments_of(p)
-    return dcp_fields.restore(st, dcp_fields.rows_of(p), segs, tuple(p.shape), name)
+    return dcp_fields.restore(st, opt.segments_of(p), tuple(p.shape), name)
 
 
 def _saved_by(blob: Any, key: str, name: str) -> tuple[int, int]:

@@ -29,7 +29,8 @@ tensor, cut at the new segment's ends):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -62,9 +63,22 @@ class Piece:
     v: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
-    codes_at: int | None = None
-    """The element ``codes[0]`` holds, where ``codes`` is not the piece's own (None: ``start``):
-    a loader's codes for its own elements, already at its layout (``integrations.dcp``)."""
+    codes_held: Sequence[Segment] | None = None
+    """Where ``codes`` is not the piece's own (None: ``codes[i]`` is element ``start + i``): a
+    loader's codes for its own elements, already at its layout (``integrations.dcp``), laid out
+    as these runs of the tensor (offset into ``codes``, numel, start), sorted by start."""
+
+    def codes_of(self, lo: int, hi: int) -> torch.Tensor:
+        """The codes of elements [lo, hi), which lie in this piece and, where ``codes_held`` is
+        set, in one of its runs."""
+        if self.codes_held is None:
+            return self.codes[lo - self.start : hi - self.start]
+        k = bisect_right(self.codes_held, lo, key=lambda s: s.start) - 1
+        run = self.codes_held[k] if k >= 0 else None
+        if run is None or hi > run.start + run.numel:
+            raise ValueError(f"elements [{lo}, {hi}) are not in one run this rank holds")
+        at = run.offset + lo - run.start
+        return self.codes[at : at + hi - lo]
 
 
 @dataclass
@@ -173,9 +187,13 @@ def merge(parts: Iterable[TensorState]) -> dict[str, TensorState]:
     return out
 
 
-def _covering(ts: TensorState, start: int, numel: int) -> list[Piece]:
+def _covering(ts: TensorState, start: int, numel: int, starts: list[int]) -> list[Piece]:
+    """The pieces that hold elements [start, start + numel), which must leave none out;
+    ``starts``: the pieces' starts (they are sorted and do not overlap, so the pieces that meet
+    a range are consecutive: a bisection, not a scan, for tensors saved as a piece per row)."""
     end = start + numel
-    got = [p for p in ts.pieces if p.start < end and p.start + p.numel > start]
+    lo = max(bisect_right(starts, start) - 1, 0)
+    got = [p for p in ts.pieces[lo : bisect_left(starts, end)] if p.start + p.numel > start]
     pos = start
     for p in got:
         if p.start > pos:
@@ -198,11 +216,16 @@ def _block_of(index: torch.Tensor, seg_start: int, block_size: int) -> torch.Ten
     return index // block_size - seg_start // block_size
 
 
-def restore(ts: TensorState, start: int, numel: int) -> dict[str, torch.Tensor]:
+def restore(
+    ts: TensorState, start: int, numel: int, starts: list[int] | None = None
+) -> dict[str, torch.Tensor]:
     """The state of a new segment holding elements [start, start + numel) of the tensor:
     per-element codes (unpacked uint8), absmax and v per block piece, or exp_avg / exp_avg_sq
-    for B = 1 (module docstring: what is exact)."""
-    pieces = _covering(ts, start, numel)
+    for B = 1 (module docstring: what is exact). ``starts``: the pieces' starts, where the
+    caller restores many segments of one tensor."""
+    if starts is None:
+        starts = [p.start for p in ts.pieces]
+    pieces = _covering(ts, start, numel, starts)
     end = start + numel
     if ts.block_size == 1:
         m = torch.cat(
@@ -237,8 +260,7 @@ def restore(ts: TensorState, start: int, numel: int) -> dict[str, torch.Tensor]:
             count.index_add_(0, new, torch.ones(hi - lo, dtype=torch.float64))
             amax.scatter_reduce_(0, new, p.absmax[old], "amax")
             saved_amax[lo - start : hi - start] = p.absmax[old]
-            at = p.start if p.codes_at is None else p.codes_at
-            codes[lo - start : hi - start] = p.codes[lo - at : hi - at]
+            codes[lo - start : hi - start] = p.codes_of(lo, hi)
     v = (v_sum / count).float()
     mids = midpoints(levels)
     for lo in range(0, numel, CHUNK):
@@ -279,6 +301,7 @@ def install(
     st["step"] = torch.tensor(first.step, dtype=torch.float32)
     owners = block_owners(layout_rows(st), bits)
     runs: dict[int, list] = {}  # first row of a run sharing blocks -> (view, restored) per row
+    starts = {name: [p.start for p in ts.pieces] for name, ts in tensors.items()}
     for k, (sv, seg) in enumerate(zip(segment_views(st), segments, strict=True)):
         if not (seg.name and seg.numel):
             continue
@@ -286,7 +309,7 @@ def install(
         ts = _need(tensors, seg)
         if ts.step != first.step or not torch.equal(ts.codebook, first.codebook):
             raise ValueError(f"{ts.name}: another step or codebook than {first.name} in one buffer")
-        got = restore(ts, seg.start, seg.numel)
+        got = restore(ts, seg.start, seg.numel, starts[ts.name])
         if ts.block_size == 1:
             view.exp_avg.copy_(got["exp_avg"])
             view.exp_avg_sq.copy_(got["exp_avg_sq"])

@@ -192,11 +192,11 @@ def saved_world(d: Path) -> int:
 
 
 def load_elsewhere(dcp_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    """An FSDP2 or HSDP checkpoint of another world size or mesh. Gefen's state of parameters
-    sharded on dim 0 is in global coordinates (``gefen_dist.integrations.dcp``), which DCP's
-    own load reshards: each rank reads its new piece and the saved block values around it.
-    A checkpoint that holds per-rank entries (tensor parallelism, or one saved before the
-    format changed: docs/history.md) is consolidated from every saved rank and re-cut for this
+    """An FSDP2 or HSDP checkpoint of another world size or mesh. Gefen's state of DTensor
+    parameters is in global coordinates (``gefen_dist.integrations.dcp``), which DCP's own load
+    reshards: each rank reads its new piece and the saved block values around it. A checkpoint
+    that holds per-rank entries (one saved before the format changed: docs/history.md) is
+    consolidated from every saved rank and re-cut for this
     rank's pieces (``gefen_dist.checkpoint``): every rank reads the whole optimizer state once."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader

@@ -70,8 +70,9 @@ def nbytes(tree) -> int:
     return 0
 
 
-def saved_bytes(path: str) -> int:
-    """Bytes of the checkpoint's optimizer state, every rank's, from its metadata."""
+def saved_bytes(path: str, fields: tuple[str, ...] = ()) -> int:
+    """Bytes of the checkpoint's optimizer state, every rank's, from its metadata; of the
+    fields named ``fields`` alone where given."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -79,7 +80,9 @@ def saved_bytes(path: str) -> int:
     return sum(
         m.size.numel() * torch.empty(0, dtype=m.properties.dtype).element_size()
         for k, m in md.items()
-        if k.startswith("optim.state.") and isinstance(m, TensorStorageMetadata)
+        if k.startswith("optim.state.")
+        and isinstance(m, TensorStorageMetadata)
+        and (not fields or k.rsplit(".", 1)[-1] in fields)
     )
 
 

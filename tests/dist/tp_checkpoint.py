@@ -17,6 +17,12 @@ under CKDIR/tp_attn, its results under "tp_attn").
   (``set_optimizer_state_dict(full_state_dict=True)``: each rank cuts its pieces from the whole
   tensors' state, ``method.portable``) and train the same steps; and load it into one process
   (``checkpoint.load_optimizer``, no TP nor FSDP) and train the same steps on the whole batch.
+- ``reshard`` (a fresh process): the DCP checkpoint of the (2, 2) mesh loaded with nothing but
+  DCP's own calls (``get_state_dict``, ``dcp.load``, ``set_state_dict``) at another layout:
+  a (dp=1, tp=4) mesh, and FSDP2 alone over the 4 ranks (no tensor parallelism); then a run
+  saved at (1, 4) loaded at (2, 2). Each trains the same steps as the run that never stopped;
+  each records the bytes of optimizer state DCP read into the rank's template against the
+  checkpoint's whole (``dcp_reshard.nbytes``, ``saved_bytes``).
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from dcp_reshard import nbytes, saved_bytes
 from fsdp_checkpoint import equal_states, raw_state
 from fsdp_common import gefen, init, write
+from teardown import finish
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,24 +46,36 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from tp_common import build, full_params, mesh2d, parallelize, train
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from tp_common import SHAPE, build, full_params, mesh2d, parallelize, train
 
 from gefen_dist import checkpoint
-from teardown import finish
 
 FIRST, SECOND = 3, 3
 
 
-def setup_run(bits: int, attention_only: bool = False):
-    mesh = mesh2d()
+def setup_run(bits: int, attention_only: bool = False, shape: tuple[int, int] = SHAPE):
+    mesh = mesh2d(shape)
     model = parallelize(build(), mesh, attention_only=attention_only)
     return model, gefen(model.parameters(), bits), mesh
 
 
-def save_run(ck: Path, bits: int, attention_only: bool = False) -> dict:
+def setup_fsdp(bits: int):
+    """FSDP2 alone over every rank: the layout of a run that drops tensor parallelism."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    model = build()
+    for m in (model.attn, model.mlp, model):
+        fully_shard(m, mesh=mesh)
+    return model, gefen(model.parameters(), bits), mesh
+
+
+def save_run(
+    ck: Path, bits: int, attention_only: bool = False, shape: tuple[int, int] = SHAPE
+) -> dict:
     rank = dist.get_rank()
     ck.mkdir(parents=True, exist_ok=True)
-    model, opt, mesh = setup_run(bits, attention_only)
+    model, opt, mesh = setup_run(bits, attention_only, shape)
     first = train(model, opt, 0, FIRST, mesh, True)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ck / "dcp"))
@@ -105,9 +125,66 @@ def resume_run(ck: Path, bits: int, attention_only: bool = False) -> dict:
     return result
 
 
+def load_elsewhere(ck: Path, built) -> dict:
+    """The plain loop at the layout ``built`` gives: (model, Gefen, mesh) afresh."""
+    model, opt, mesh = built
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(ck))
+    read = nbytes(osd["state"])
+    per_element = nbytes(_per_element(osd["state"]))
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    return dict(
+        losses=train(model, opt, FIRST, SECOND, mesh, True),
+        read_bytes=read,
+        saved_bytes=saved_bytes(str(ck)),
+        read_per_element=per_element,
+        saved_per_element=saved_bytes(str(ck), _PER_ELEMENT),
+        share_per_element=_share(ck, model),
+        blocks={n: int(opt.state[p]["layout"][0, 3]) for n, p in model.named_parameters()},
+    )
+
+
+_PER_ELEMENT = ("codes", "exp_avg", "exp_avg_sq")
+
+
+def _per_element(state: dict) -> dict:
+    return {(fqn, k): v for fqn, st in state.items() for k, v in st.items() if k in _PER_ELEMENT}
+
+
+def _share(ck: Path, model) -> float:
+    """Bytes of the saved per-element fields that this rank's pieces hold: each parameter's
+    fields times the share of its elements the rank holds (all of a tp-replicated norm)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ck)).read_metadata().state_dict_metadata
+    out = 0.0
+    for name, p in model.named_parameters():
+        share = p.to_local().numel() / p.numel()
+        for k in _PER_ELEMENT:
+            m = md.get(f"optim.state.{name}.{k}")
+            if m is not None:
+                out += (
+                    share * m.size.numel() * torch.empty(0, dtype=m.properties.dtype).element_size()
+                )
+    return out
+
+
+def reshard_run(ck: Path, bits: int) -> dict:
+    result = {
+        "tp4": load_elsewhere(ck / "dcp", setup_run(bits, shape=(1, 4))),
+        "fsdp": load_elsewhere(ck / "dcp", setup_fsdp(bits)),
+    }
+    result["saved_tp4"] = save_run(ck / "tp4", bits, shape=(1, 4))
+    result["tp4_to_2x2"] = load_elsewhere(ck / "tp4" / "dcp", setup_run(bits))
+    return result
+
+
 def main() -> None:
     mode, out, ck, bits = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
     init()
+    if mode == "reshard":
+        write(out, reshard_run(ck, bits))
+        return
     run = save_run if mode == "save" else resume_run
     write(out, {**run(ck, bits), "tp_attn": run(ck / "tp_attn", bits, attention_only=True)})
 

@@ -96,8 +96,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, SEQ, DIM, generator=g), torch.randn(BATCH, SEQ, DIM, generator=g)
 
 
-def mesh2d() -> DeviceMesh:
-    return init_device_mesh("cpu", SHAPE, mesh_dim_names=("dp", "tp"))
+def mesh2d(shape: tuple[int, int] = SHAPE) -> DeviceMesh:
+    return init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
 
 
 def _replicate_in(_mod, inputs, mesh):
