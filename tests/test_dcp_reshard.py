@@ -155,7 +155,7 @@ def test_a_checkpoint_in_the_per_rank_format_loads_with_plain_dcp(runs, world):
     """tests/data/fsdp2_per_rank_format: the uneven ``Odd`` model (column blocks, which FSDP2's
     row split cuts) saved on 2 ranks by gefen_dist before format 2 (docs/history.md). At 2 ranks
     each rank reads its own entry: the saved run's losses exactly. Elsewhere the template asks
-    for every saved rank's entry and the pieces are re-cut (``integrations.fsdp._recut``). In
+    for every saved rank's entry and the pieces are re-cut (``integrations.rank_entries.recut``). In
     one process that is the state ``consolidate`` and ``load_optimizer`` give, bit for bit
     (whose drift on this model is 5.0e-4 by the last of 4 steps, the data-parallel average
     rounding otherwise); at 4 ranks the losses stay within the elastic bound."""

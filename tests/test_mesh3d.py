@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import read_results, torchrun
+from dist_util import read_results, resume_drift, torchrun
+from test_fsdp_elastic import NEW_WORLD_TOL
 from test_tp import CODEBOOK_TOL, FIRST_TOL, TP_LOSS_TOL
 
 pytestmark = pytest.mark.dist
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.dist
 STEPS, BITS, WORLD = 5, 8, 4
 SHAPES = ("2x1x2", "1x2x2")
 EXPERT_TOL = 0.1
+SAVE_AT = 3  # tests/dist/tp3d.py's
 """The expert weight's max |param - one process| over max |param|, after 5 steps: its column
 blocks are cut in two by the tp split of F, each half with its own v and absmax (measured
 0.038)."""
@@ -83,3 +85,19 @@ def test_an_expert_weight_on_a_dp_ep_tp_mesh_is_blocked_as_one_process_blocks_it
         assert ep["blocks"] == ep["ref_blocks"] == [-64]  # columns inside each expert
         assert ep["codebook_drift"] == 0.0
         assert ep["param_drift"] <= EXPERT_TOL * ep["param_scale"], ep
+
+
+@pytest.mark.parametrize(
+    "move", [("2x1x2", "1x2x2"), ("1x2x2", "2x1x2")], ids=lambda m: "->".join(m)
+)
+def test_plain_dcp_resumes_a_3d_mesh_checkpoint_at_the_other_mesh(runs, move):
+    """Gefen's state of every DTensor is saved in global coordinates (``integrations.dcp``), so
+    an HSDP + TP checkpoint loads at another (replicate, shard, tp) mesh through DCP alone,
+    within the elastic bound of the uninterrupted run (each data-parallel rank trains on the
+    same rows at both shapes)."""
+    src, dst = move
+    saved = runs[0][src]["losses"]
+    got = runs[0][f"{src}->{dst}"]["losses"]
+    drift = resume_drift(saved, got, SAVE_AT)
+    assert drift[0] <= FIRST_TOL and max(drift) <= NEW_WORLD_TOL, drift
+    assert all(r[f"{src}->{dst}"]["losses"] == got for r in runs)

@@ -23,7 +23,10 @@ from typing import Any
 import torch
 
 from ..integrations import dcp as dcp_fields
-from ..integrations import fsdp
+from ..integrations import (
+    fsdp,  # noqa: F401  (its Entry and Text: safe globals for torch.load)
+    rank_entries,
+)
 from ..method import portable
 from ..method.segments import whole_tensor
 
@@ -102,9 +105,9 @@ def consolidate_entry(entry: Mapping[str, Any], where: str) -> dict[str, torch.T
             return None
         return dcp_fields.whole_state(entry, tuple(field.shape), where)
     keys = sorted((k for k in entry if k.startswith(_RANK_PREFIX)), key=lambda k: int(k[10:]))
-    payloads = [fsdp.read_entry(entry[k], k, where) for k in keys]
+    payloads = [rank_entries.read_entry(entry[k], k, where) for k in keys]
     world = {p["world_size"] for p in payloads}
-    runs = {p["run"] for p in payloads} | {entry.get(fsdp.RUN_KEY)}
+    runs = {p["run"] for p in payloads} | {entry.get(rank_entries.RUN_KEY)}
     if len(world) != 1 or len(runs) != 1:
         raise ValueError(f"{where}: its entries come from different runs or world sizes")
     (n,) = world
@@ -112,7 +115,7 @@ def consolidate_entry(entry: Mapping[str, Any], where: str) -> dict[str, torch.T
     if ranks != list(range(n)):
         missing = sorted(set(range(n)) - set(ranks))
         raise ValueError(f"{where}: the checkpoint lacks the state of rank(s) {missing} of {n}")
-    tensors = fsdp.merge_entries(payloads, entry.get("codebook"), where)
+    tensors = rank_entries.merge_entries(payloads, entry.get("codebook"), where)
     if not tensors:
         return None
     if len(tensors) > 1:

@@ -416,7 +416,7 @@ def _fit_new(sub: dict, head: str, prefix: str, md: Mapping[str, Any], where: st
 
 def _fit_old(sub: dict, head: str, prefix: str, md: Mapping[str, Any]) -> None:
     """A per-rank checkpoint (``gefen.rank{r}``): every saved rank's entry, which the FSDP
-    load hook re-cuts (``integrations.fsdp._recut``)."""
+    load hook re-cuts (``integrations.rank_entries.recut``)."""
     mine = {k: v for k, v in sub.items() if isinstance(k, str) and k.startswith(head)}
     new: dict[str, Any] = {}
     for key, meta in md.items():

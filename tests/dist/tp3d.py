@@ -8,7 +8,9 @@ mesh["replicate", "shard"]; each data-parallel rank (replicate x shard) trains o
 the batch. Records per shape: the losses, block sizes, codebooks, placements and the
 optimizer's group; and a DCP checkpoint saved at ``SAVE_AT`` and loaded by a fresh model and
 optimizer in the same processes (``get_state_dict``, ``dcp.load``, ``set_state_dict``), whose
-steps to STEPS are compared with the uninterrupted run's, state and parameters, bit for bit.
+steps to STEPS are compared with the uninterrupted run's, state and parameters, bit for bit;
+then each shape's checkpoint loaded the same way at the other shape ("2x1x2->1x2x2" and back),
+whose losses from SAVE_AT on are recorded.
 Under "reference", tp_train's single-process run of the same block. Under "ep_tp", an (E, F, D)
 expert weight placed (Shard(0), Shard(0), Shard(1)) on a (2, 1, 2) mesh (experts over dp_mod_ep
 and ep, F over tp) stepped with given gradients, against one process on the whole tensor: its
@@ -137,6 +139,13 @@ def main() -> None:
         "x".join(map(str, shape)): run(shape, steps, bits, Path(out) / f"ck{i}")
         for i, shape in enumerate(SHAPES)
     }
+    for src, dst in ((0, 1), (1, 0)):  # each checkpoint at the other mesh
+        mesh, model, opt = setup(SHAPES[dst], bits)
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(Path(out) / f"ck{src}"))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        name = "x".join(map(str, SHAPES[src])) + "->" + "x".join(map(str, SHAPES[dst]))
+        result[name] = dict(losses=train(model, opt, mesh, SAVE_AT, steps))
     result["reference"] = {k: v for k, v in ref.items() if k not in ("params", "grads")}
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_mod_ep", "ep", "tp"))
     one, spread = expert_run(steps, bits, None), expert_run(steps, bits, mesh)
