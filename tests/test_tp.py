@@ -274,6 +274,12 @@ def test_plain_dcp_resumes_at_another_mesh_within_the_elastic_bound(ck, reshard,
         assert got["losses"] == reshard[0][case]["losses"]
 
 
+def test_the_full_state_dict_resumes_at_another_mesh_within_the_elastic_bound(ck, reshard):
+    for r in reshard:
+        drift = resume_drift(ck["save"][0]["losses"], r["full_tp4"]["losses"], 3)
+        assert drift[0] <= FIRST_TOL and max(drift) <= NEW_WORLD_TOL, drift
+
+
 @pytest.mark.parametrize("case", RESHARDS)
 def test_each_rank_reads_its_share_of_a_tensor_parallel_checkpoint(reshard, case):
     """Its pieces' share of the per-element fields (codes; m and v where B = 1: each tensor's times

@@ -19,8 +19,9 @@ under CKDIR/tp_attn, its results under "tp_attn").
   (``checkpoint.load_optimizer``, no TP nor FSDP) and train the same steps on the whole batch.
 - ``reshard`` (a fresh process): the DCP checkpoint of the (2, 2) mesh loaded with nothing but
   DCP's own calls (``get_state_dict``, ``dcp.load``, ``set_state_dict``) at another layout:
-  a (dp=1, tp=4) mesh, and FSDP2 alone over the 4 ranks (no tensor parallelism); then a run
-  saved at (1, 4) loaded at (2, 2). Each trains the same steps as the run that never stopped;
+  a (dp=1, tp=4) mesh, and FSDP2 alone over the 4 ranks (no tensor parallelism); the full
+  state dict at (1, 4) (``set_optimizer_state_dict(full_state_dict=True)``); then a run saved at
+  (1, 4) loaded at (2, 2). Each trains the same steps as the run that never stopped;
   each records the bytes of optimizer state DCP read into the rank's template against the
   checkpoint's whole (``dcp_reshard.nbytes``, ``saved_bytes``).
 """
@@ -174,6 +175,12 @@ def reshard_run(ck: Path, bits: int) -> dict:
         "tp4": load_elsewhere(ck / "dcp", setup_run(bits, shape=(1, 4))),
         "fsdp": load_elsewhere(ck / "dcp", setup_fsdp(bits)),
     }
+    model, opt, mesh = setup_run(bits, shape=(1, 4))
+    tree = torch.load(ck / "full.pt", weights_only=True)
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, tree["model"], options=options)
+    set_optimizer_state_dict(model, opt, tree["optim"], options=options)
+    result["full_tp4"] = dict(losses=train(model, opt, FIRST, SECOND, mesh, True))
     result["saved_tp4"] = save_run(ck / "tp4", bits, shape=(1, 4))
     result["tp4_to_2x2"] = load_elsewhere(ck / "tp4" / "dcp", setup_run(bits))
     return result
