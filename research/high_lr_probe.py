@@ -32,6 +32,12 @@ from its state (m = codes x absmax, v = v_b * c_j); ``trig_c`` keeps coded m and
 per-element EMA initialised at v_b * c_j, with ``exact_c``'s floored denominator (row blocks with
 a factor; other tensors as ``trig_b1``).
 
+Second trigger study (issue 43, helper h43b; ``research/results/high_lr_trigger2.md``):
+``trig2`` logs every step's ``tail_stats`` (lower-tail, covariance, fractional-moment and
+witness readings of the shared model, and the per-element truth) per blocked tensor
+(``TRIG2_LOG``); ``trig2_b1,rule_NAME`` switches a tensor to B = 1 (as ``trig_b1``) once rule
+NAME of ``RULES`` fires on it (``Trigger2``).
+
     PYTHONPATH=. python research/high_lr_probe.py --task gru_odd --lr 3e-2 --seed 0 --bits 8
 """
 
@@ -507,6 +513,291 @@ def _triggered(orig):
     return update
 
 
+# --- issue 43, helper h43b: lower-tail statistics, an EMA reference, an EMA of R ---------------
+
+TRIG2_LOG: dict[str, dict] = {}
+"""Per tensor name (``trig2`` / ``trig2_b1``): numel, block size, the step a rule fired at (None:
+never) and ``rows``, one per step t >= 2 of ``tail_stats``'s values (``TAIL_FIELDS``)."""
+_TRIG2: dict[int, Trigger2] = {}
+_OWN2: dict[int, torch.Tensor] = {}
+TAIL_FIELDS = (
+    "step",
+    "cv",
+    "R",
+    "la1",
+    "la2",
+    "sa1",
+    "sa2",
+    "lt",
+    "st",
+    "mlr",
+    "cvt",
+    "lb",
+    "sb",
+    "lbn",
+    "sbn",
+    "cfh",
+    "cfn",
+    "vt",
+    "qh",
+    "q1",
+    "qt",
+    "lw",
+    "nw",
+    "cw",
+)
+
+
+def tail_stats(g, m_prev, d2, own, t: int, beta1: float, beta2: float) -> dict | None:
+    """How far the shared denominator over-estimates the elements' own variances, read from the
+    shared model d2 = v_b c_j (raw EMAs, before this step's fold) and this step's draws.
+
+    With the model bias-corrected, d = d2 / (1 - b2^(t-1)), the one-draw ratio a = g_t^2 / d and
+    the two-draw one sqrt(a b), b = m_{t-1}^2 / d rescaled to mean(a) (m's scale against g^2
+    depends on its signal share, so only its shape is used), per tensor:
+
+    - ``la1`` / ``la2``: mean of ln max(ratio, CROSS_FLOOR) (the floor the factor itself has:
+      below it the method treats a position as dead), one-draw / two-draw;
+    - ``sa1`` / ``sa2``: share of elements with ratio < CROSS_FLOOR;
+    - ``cv`` (= ``trigger_spread``'s c_t) and ``R`` (its R of step 2 on the element variances);
+    - ``lb`` / ``sb``: the same of m's own reading, b = m_hat^2 / d (m_hat = m_{t-1} / (1 -
+      b1^(t-1)), bias-corrected as AdamW's; m is an EMA over ~1 / (1 - b1) steps, so it reads an
+      element's scale from several draws, which one g_t^2 cannot on bursty gradients);
+      ``lbn`` / ``sbn`` with b in units of a noise-only element, bn = b (1 + b1) / (1 - b1)
+      (E[m^2] = (1 - b1) / (1 + b1) E[g^2] for independent zero-mean draws);
+    - ``cfh`` / ``cfn``: the floored log covariance of the two draws, Cov(ln max(a, F),
+      ln max(b', F)) with b' = ``lb``'s / ``lbn``'s b (F = CROSS_FLOOR): Var(ln max(r, F)) where
+      the two draws' noises are independent; the floor bounds what a near-dead element adds
+      (unfloored, ``trigger_spread``'s Cov reached exp(Var) - 1 ~ 1e14);
+    - ``qh`` / ``q1``: the step shortfall, a fractional moment the shared denominator's lower
+      tail lowers: ln(mean (a b)^(1/4) / mean((a b)^(1/2))^(1/2)) (two draws) and
+      ln(mean a^(1/2) / mean(a)^(1/2)) (one draw); each is ln(E sqrt(r) / sqrt(E r)) plus a
+      constant of the draws' shape (a reference cancels it while the shape holds); ``qt`` its
+      truth, ln(mean sqrt(r) / sqrt(mean r)); for lognormal r, -Var(ln r) / 8;
+    - the truth the rule may not read (a per-element EMA of g^2, ``own``, AdamW's v): with
+      r = own / d2, ``lt`` = mean ln max(r, CROSS_FLOOR), ``st`` = share r < CROSS_FLOOR,
+      ``mlr`` = mean ln r, ``cvt`` = CV^2(r).
+    """
+    ok = d2 > 0
+    if not bool(ok.any()) or t < 2:
+        return None
+    base = trigger_spread(g, m_prev, d2)
+    if base is None:
+        return None
+    d = d2[ok].double() / (1.0 - beta2 ** (t - 1))
+    a = g.double()[ok].square() / d
+    b = m_prev.double()[ok].square() / d
+    ma, mb = float(a.mean()), float(b.mean())
+    bh = b / (1.0 - beta1 ** (t - 1)) ** 2
+    bn = bh * (1.0 + beta1) / (1.0 - beta1)
+    b = b * (ma / mb)
+    two = (a * b).sqrt()
+    fl = CROSS_FLOOR
+    r = own.double()[ok] / d2[ok].double()
+    la = a.clamp(min=fl).log()
+    mr = float(r.mean())
+    return dict(
+        step=t,
+        cv=base[0],
+        R=base[2],
+        la1=float(a.clamp(min=fl).log().mean()),
+        la2=float(two.clamp(min=fl).log().mean()),
+        sa1=float((a < fl).double().mean()),
+        sa2=float((two < fl).double().mean()),
+        lt=float(r.clamp(min=fl).log().mean()),
+        st=float((r < fl).double().mean()),
+        mlr=float(r.clamp(min=1e-30).log().mean()),
+        cvt=float(r.var(unbiased=False) / (mr * mr)) if mr > 0 else float("nan"),
+        lb=float(bh.clamp(min=fl).log().mean()),
+        sb=float((bh < fl).double().mean()),
+        lbn=float(bn.clamp(min=fl).log().mean()),
+        sbn=float((bn < fl).double().mean()),
+        cfh=_cov(la, bh.clamp(min=fl).log()),
+        cfn=_cov(la, bn.clamp(min=fl).log()),
+        vt=float(r.clamp(min=fl).log().var(unbiased=False)),
+        qh=_half(a * bh),
+        q1=float((a.sqrt().mean() / a.mean().sqrt()).log()),
+        qt=float((r.sqrt().mean() / r.mean().sqrt()).log()) if mr > 0 else float("nan"),
+    )
+
+
+def _half(x: torch.Tensor) -> float:
+    """ln(mean x^(1/4) / mean(x^(1/2))^(1/2)): the shortfall of sqrt(r) read from x ~ r^2."""
+    q = x.sqrt()
+    return float((q.sqrt().mean() / q.mean().sqrt()).log()) if float(q.mean()) > 0 else 0.0
+
+
+def _cov(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float(((x - x.mean()) * (y - y.mean())).mean())
+
+
+def witness_index(shape: tuple[int, int], column_blocks: bool) -> torch.Tensor:
+    """One element per block, on the diagonal of the (blocks, B) view (row blocks: block i's
+    element i mod B) or of the (rows, P) view (column blocks: column j's row j mod rows), so
+    the witnesses of a row-factored tensor fall in every column, not one: flat indices."""
+    rows, cols = shape
+    if column_blocks:
+        j = torch.arange(cols)
+        return (j % rows) * cols + j
+    i = torch.arange(rows)
+    return i * cols + i % cols
+
+
+def witness_tail(own: torch.Tensor, d2: torch.Tensor, column_blocks: bool) -> dict:
+    """``lt`` read on one witness element per block (``witness_index``): the own v (an EMA of
+    g^2, AdamW's) of the witnesses only, 4 bytes (fp32; 2 as bf16) per block, against the
+    shared model d2 = v_b c_j: ``lw`` = mean ln max(r_w, CROSS_FLOOR), ``nw`` witnesses, ``cw``
+    = CV^2(r_w) (``cvt`` on the witnesses: the spread step 6 of the partition bounds)."""
+    idx = witness_index(tuple(d2.shape), column_blocks)
+    o, d = own.reshape(-1)[idx].double(), d2.reshape(-1)[idx].double()
+    ok = d > 0
+    r = o[ok] / d[ok]
+    lw = float(r.clamp(min=CROSS_FLOOR).log().mean()) if int(ok.sum()) else float("nan")
+    mr = float(r.mean()) if int(ok.sum()) else 0.0
+    cw = float(r.var(unbiased=False) / (mr * mr)) if mr > 0 else float("nan")
+    return dict(lw=lw, nw=int(ok.sum()), cw=cw)
+
+
+def horizon(beta2: float) -> int:
+    """The b2 EMA's horizon in steps, 1 / (1 - b2) (20 for b2 = 0.95)."""
+    return round(1.0 / (1.0 - beta2))
+
+
+RULES = (
+    "tail1",
+    "tail2",
+    "tailb",
+    "tailbn",
+    "covh",
+    "covn",
+    "half",
+    "half1",
+    "cvh",
+    "Rema",
+    "witness",
+    "truth",
+)
+"""The online rules ``Trigger2`` can act on (``trig2_b1,rule_NAME``), each from an EMA (b2,
+bias-corrected) of one per-step statistic of ``tail_stats``, with the reference read at the b2
+horizon (step 1 + horizon(b2), the first step whose EMA averages a full horizon):
+
+- ``tail1`` / ``tail2`` / ``tailb`` / ``tailbn``: the lower-tail mean m = EMA of ``la1`` /
+  ``la2`` / ``lb`` / ``lbn``; fires when it has
+  fallen below its reference by ln(1 + ALIKE) / 2. Why this value: for lognormal ratios with
+  mean 1 (the shared v is the block's mean), E ln r = -Var(ln r) / 2 and 1 + c = exp Var(ln r),
+  so a drop of the mean log by ln(1 + ALIKE) / 2 is the spread growing by the factor
+  (1 + ALIKE) that the partition's step 6 lets one shared v absorb (the growth rule of
+  ``TriggerState``, with the lower tail's reading of the spread);
+- ``covh`` / ``covn``: the floored log covariance (EMA of ``cfh`` / ``cfn``, Var ln max(r, F))
+  has grown over its reference by ln(1 + ALIKE): the lognormal spread 1 + c = exp Var(ln r)
+  grown by the factor (1 + ALIKE);
+- ``half`` / ``half1``: the step shortfall (EMA of ``qh`` / ``q1``, ln E sqrt(r) / sqrt(E r) plus
+  the draws' shape constant) has fallen below its reference by ln(1 + ALIKE) / 8: for lognormal
+  r it is -Var(ln r) / 8, so that is the spread grown by the factor (1 + ALIKE);
+- ``witness`` / ``truth``: the lower-tail rule on the own v's reading itself (no EMA: own v is
+  one), of one witness element per block (``witness_tail``'s ``lw``: a per-block fp32 state) /
+  of every element (``lt``: an oracle, it needs the per-element v the fallback would add);
+- ``cvh``: ``TriggerState``'s growth rule, 1 + c > (1 + c_ref)(1 + ALIKE), its reference the
+  EMA at the horizon instead of the first reading;
+- ``Rema``: EMA of R > STRUCTURE (the shared model explains less of the element variances'
+  covariance than the partition asked of a block, 1 - STRUCTURE)."""
+
+
+@dataclass
+class Trigger2:
+    """One tensor's EMAs of ``tail_stats``'s readings and the step each rule of ``RULES`` fired."""
+
+    name: str
+    numel: int
+    block_size: int
+    beta2: float
+    count: int = 0
+    ema: dict = field(default_factory=dict)
+    ref: dict = field(default_factory=dict)
+    fired: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)
+
+    def add(self, x: dict) -> None:
+        self.count += 1
+        bc = 1.0 - self.beta2**self.count
+        est = {}
+        for k in ("cv", "R", "la1", "la2", "lb", "lbn", "cfh", "cfn", "qh", "q1"):
+            v = x[k] if math.isfinite(x[k]) else self.ema.get(k, 0.0) / max(bc, 1e-12)
+            self.ema[k] = self.beta2 * self.ema.get(k, 0.0) + (1.0 - self.beta2) * v
+            est[k] = self.ema[k] / bc
+        if self.count == horizon(self.beta2):
+            self.ref = dict(est, lw=x["lw"], lt=x["lt"])
+        drop = math.log1p(partition.ALIKE) / 2.0
+        if self.ref:
+            checks = dict(
+                tail1=est["la1"] < self.ref["la1"] - drop,
+                tail2=est["la2"] < self.ref["la2"] - drop,
+                tailb=est["lb"] < self.ref["lb"] - drop,
+                tailbn=est["lbn"] < self.ref["lbn"] - drop,
+                covh=est["cfh"] > self.ref["cfh"] + 2.0 * drop,
+                covn=est["cfn"] > self.ref["cfn"] + 2.0 * drop,
+                half=est["qh"] < self.ref["qh"] - drop / 4.0,
+                half1=est["q1"] < self.ref["q1"] - drop / 4.0,
+                witness=x["lw"] < self.ref["lw"] - drop,
+                truth=x["lt"] < self.ref["lt"] - drop,
+                cvh=1.0 + est["cv"] > (1.0 + max(self.ref["cv"], 0.0)) * (1.0 + partition.ALIKE),
+                Rema=est["R"] > partition.STRUCTURE,
+            )
+            for k, hit in checks.items():
+                if hit and k not in self.fired:
+                    self.fired[k] = x["step"]
+        self.rows.append([x["step"]] + [round(x[k], 4) for k in TAIL_FIELDS[1:]])
+
+
+def _triggered2(orig):
+    """``block_update`` / ``column_update`` with ``tail_stats`` read before the update and, under
+    ``trig2_b1,rule_NAME``, the tensor switched to B = 1 (as ``trig_b1``) once rule NAME fired."""
+
+    def update(p, g, st, h, levels, mids, bits, factor=None):
+        ptr = p.untyped_storage().data_ptr()
+        whole = st.start == 0 and st.numel == p.numel()
+        trig = _TRIG2.get(ptr)
+        if trig is None:
+            trig = _TRIG2[ptr] = Trigger2(
+                _NAMES.get(ptr, str(ptr)), st.numel, st.block_size, h.beta2
+            )
+        rule = next((k[5:] for k in _FLAGS if k.startswith("rule_")), None)
+        if _FLAGS.get("trig2_b1") and rule in trig.fired:
+            key = (ptr, st.start)
+            if key not in _B1:
+                m, d2, _ = _shared_model(g, st, h, levels, bits, factor)
+                _B1[key] = SimpleNamespace(
+                    start=st.start,
+                    numel=st.numel,
+                    exp_avg=m.reshape(-1).to(torch.bfloat16),
+                    exp_avg_sq=d2.reshape(-1).to(torch.bfloat16),
+                )
+            reference.dense_update(p, g, _B1[key], h)
+            return None
+        if whole:
+            m, d2, gv = _shared_model(g, st, h, levels, bits, factor)
+            own = _OWN2.get(ptr)
+            if own is not None and h.step > 1:
+                x = tail_stats(gv, m, d2, own.view_as(d2), h.step, h.beta1, h.beta2)
+                if x is not None:
+                    x.update(witness_tail(own.view_as(d2), d2, st.block_size < 0))
+                    trig.add(x)
+            own = torch.zeros(gv.numel()) if own is None else own
+            own.mul_(h.beta2).add_(gv.reshape(-1).square(), alpha=1.0 - h.beta2)
+            _OWN2[ptr] = own
+        out = orig(p, g, st, h, levels, mids, bits, factor)
+        TRIG2_LOG[trig.name] = dict(
+            numel=trig.numel,
+            block_size=trig.block_size,
+            fired=dict(trig.fired),
+            ref={k: round(v, 4) for k, v in trig.ref.items()},
+            rows=trig.rows,
+        )
+        return out
+
+    return update
+
+
 def _naming(orig):
     """``tasks.build`` that also names the model's parameters for the trigger's log."""
 
@@ -570,6 +861,13 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         partition.choose_block_size = lambda stats, numel, row=0: row if row > 1 else 1
     if "no_factor" in _FLAGS:
         state.cross_length = lambda block_size, tensor_numel: 0
+    _TRIG2.clear()
+    _OWN2.clear()
+    TRIG2_LOG.clear()
+    if {"trig2", "trig2_b1"} & _FLAGS.keys():
+        gopt.block_update = _triggered2(saved["bu"])
+        gopt.column_update = _triggered2(saved["cu"])
+        tasks.build = _naming(saved["build"])
     if {"trig", "trig_b1", "trig_c"} & _FLAGS.keys():
         gopt.block_update = _triggered(saved["bu"])
         gopt.column_update = _triggered(saved["cu"])

@@ -64,6 +64,8 @@ def run(
 
         with high_lr_probe.variant(variant):
             body = suite.run_one(t, optimizer, seed)
+            if high_lr_probe.TRIG2_LOG:
+                body["trigger2"] = _trigger2_record(dict(high_lr_probe.TRIG2_LOG), body, variant)
             if high_lr_probe.TRIGGER_LOG:
                 body["trigger"] = _trigger_record(
                     dict(high_lr_probe.TRIGGER_LOG), body, variant, optimizer
@@ -89,6 +91,31 @@ def _trigger_record(log: dict, body: dict, variant: str, optimizer: str) -> dict
         extra += add
     params = body.get("params") or 1
     return dict(
+        tensors=log,
+        extra_bytes=extra,
+        extra_bytes_per_param=extra / params,
+        bytes_per_param_after=(body.get("bytes_per_param") or 0.0) + extra / params,
+    )
+
+
+def _trigger2_record(log: dict, body: dict, variant: str) -> dict:
+    """``high_lr_probe.TRIG2_LOG`` with, under ``trig2_b1,rule_NAME``, the state the switch adds:
+    a tensor rule NAME fired on holds 4 bytes per element (bf16 m and v at B = 1) instead of its
+    blocked state."""
+    tensors = {t["name"]: t for t in body.get("gefen", {}).get("tensors", [])}
+    rule = next((k[5:] for k in variant.split(",") if k.startswith("rule_")), None)
+    extra = 0.0
+    if "trig2_b1" in variant and rule:
+        for name, t in log.items():
+            if rule not in t["fired"]:
+                continue
+            rec = next((r for k, r in tensors.items() if f"'{name}'" in k or k == name), None)
+            held = rec["state_bytes"] if rec else 0.0
+            t["extra_bytes"] = 4.0 * t["numel"] - held
+            extra += t["extra_bytes"]
+    params = body.get("params") or 1
+    return dict(
+        rule=rule,
         tensors=log,
         extra_bytes=extra,
         extra_bytes_per_param=extra / params,
@@ -149,6 +176,7 @@ def main() -> None:
                     reason=body.get("reason"),
                     bytes_per_param=body.get("bytes_per_param"),
                     trigger=body.get("trigger"),
+                    trigger2=body.get("trigger2"),
                     blocks={
                         t["name"]: t["block_sizes"]
                         for t in body.get("gefen", {}).get("tensors", [])
