@@ -676,6 +676,9 @@ RULES = (
     "Rema",
     "witness",
     "truth",
+    "at50",
+    "at150",
+    "at300",
 )
 """The online rules ``Trigger2`` can act on (``trig2_b1,rule_NAME``), each from an EMA (b2,
 bias-corrected) of one per-step statistic of ``tail_stats``, with the reference read at the b2
@@ -700,7 +703,10 @@ horizon (step 1 + horizon(b2), the first step whose EMA averages a full horizon)
 - ``cvh``: ``TriggerState``'s growth rule, 1 + c > (1 + c_ref)(1 + ALIKE), its reference the
   EMA at the horizon instead of the first reading;
 - ``Rema``: EMA of R > STRUCTURE (the shared model explains less of the element variances'
-  covariance than the partition asked of a block, 1 - STRUCTURE)."""
+  covariance than the partition asked of a block, 1 - STRUCTURE);
+- ``at50`` / ``at150`` / ``at300``: every tensor at that step, whatever the statistics: not a
+  rule but a diagnosis (does per-element state from late in the run close a gap the first
+  steps did not open?)."""
 
 
 @dataclass
@@ -742,6 +748,9 @@ class Trigger2:
                 truth=x["lt"] < self.ref["lt"] - drop,
                 cvh=1.0 + est["cv"] > (1.0 + max(self.ref["cv"], 0.0)) * (1.0 + partition.ALIKE),
                 Rema=est["R"] > partition.STRUCTURE,
+                at50=x["step"] >= 50,
+                at150=x["step"] >= 150,
+                at300=x["step"] >= 300,
             )
             for k, hit in checks.items():
                 if hit and k not in self.fired:
