@@ -104,12 +104,9 @@ class Held:
         return cls(tuple(sorted((s for s in segs if s.numel), key=lambda s: s.offset)))
 
     @functools.cached_property
-    def _by_start(self) -> tuple[Segment, ...]:
+    def by_start(self) -> tuple[Segment, ...]:
+        """The runs sorted by their first element (what ``portable.Piece.codes_held`` reads)."""
         return tuple(sorted(self.runs, key=lambda s: s.start))
-
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.runs)
 
     @property
     def key(self) -> str:
@@ -117,12 +114,12 @@ class Held:
         values in a checkpoint (``{start}.{numel}``)."""
         if not self.runs:
             return "0.0"
-        lo = self._by_start[0].start
+        lo = self.by_start[0].start
         return f"{lo}.{max(s.start + s.numel for s in self.runs) - lo}"
 
     def meets(self, start: int, numel: int) -> bool:
         """Whether any run holds an element of [start, start + numel)."""
-        runs = self._by_start
+        runs = self.by_start
         k = bisect.bisect_left(runs, start + numel, key=lambda s: s.start)
         return k > 0 and runs[k - 1].start + runs[k - 1].numel > start
 
@@ -293,7 +290,7 @@ def _saved_pieces(
             if held.meets(row.start, row.numel):
                 out.append(
                     portable.Piece(
-                        row.start, row.numel, codes=codes, codes_held=held._by_start,
+                        row.start, row.numel, codes=codes, codes_held=held.by_start,
                         v=v[row.at : row.at + row.blocks].float(),
                         absmax=absmax[row.at : row.at + row.blocks].float(),
                     )
