@@ -101,7 +101,15 @@ class Held:
 
     @classmethod
     def of(cls, segs: list[Segment]) -> Held:
-        return cls(tuple(sorted((s for s in segs if s.numel), key=lambda s: s.offset)))
+        """The runs of ``segs`` that hold elements; they must tile the local tensor from offset
+        0 in order, as a DTensor's local piece and ``take`` lay them out."""
+        runs = tuple(sorted((s for s in segs if s.numel), key=lambda s: s.offset))
+        at = 0
+        for s in runs:
+            if s.offset != at:
+                raise RuntimeError(f"{s.name}: segments do not tile the local tensor at {at}")
+            at += s.numel
+        return cls(runs)
 
     @functools.cached_property
     def by_start(self) -> tuple[Segment, ...]:
@@ -327,13 +335,13 @@ def restore(
                     s.start, s.numel, exp_avg=m[s.offset : s.offset + s.numel],
                     exp_avg_sq=v[s.offset : s.offset + s.numel],
                 )
-                for s in _local_runs(held)
+                for s in held.runs
             ),
             key=lambda pc: pc.start,
         )  # fmt: skip
     else:
         codes = _mine(saved["codes"], held, "codes", name, shape)
-        pieces = _saved_pieces(saved, _local(held), block, codes, int(mark[1]), name)
+        pieces = _saved_pieces(saved, held, block, codes, int(mark[1]), name)
     v_cross = saved.get("v_cross")
     ts = portable.TensorState(
         tensor, tuple(shape), block, float(saved["step"]), saved["codebook"].float(),
@@ -345,20 +353,6 @@ def restore(
         if name in str(e):
             raise
         raise ValueError(f"Gefen state for {name}: {e}") from None
-
-
-def _local_runs(held: Held) -> list[Segment]:
-    """``held``'s runs at their offsets in the local order ``_mine`` returns (the runs one after
-    the other, as a local tensor and ``Held.take`` lay them out)."""
-    out, at = [], 0
-    for s in held.runs:
-        out.append(Segment(at, s.numel, s.start, s.shape, s.name))
-        at += s.numel
-    return out
-
-
-def _local(held: Held) -> Held:
-    return Held(tuple(_local_runs(held)))
 
 
 def whole_state(saved: Mapping[str, Any], shape: tuple[int, ...], name: str) -> dict | None:
