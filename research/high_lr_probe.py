@@ -461,6 +461,22 @@ def _shared_model(g, st, h, levels, bits, f):
     return m, d2.float(), g.float().view(-1, period)
 
 
+def _switched_b1(p, g, st, h, levels, bits, factor, ptr):
+    """One step of a tensor a trigger switched to B = 1 (bf16 m and v, ``dense_update``),
+    its state made at the first such step from the blocked one: m from the codes, v the
+    shared model v_b c_j per element."""
+    key = (ptr, st.start)
+    if key not in _B1:
+        m, d2, _ = _shared_model(g, st, h, levels, bits, factor)
+        _B1[key] = SimpleNamespace(
+            start=st.start,
+            numel=st.numel,
+            exp_avg=m.reshape(-1).to(torch.bfloat16),
+            exp_avg_sq=d2.reshape(-1).to(torch.bfloat16),
+        )
+    reference.dense_update(p, g, _B1[key], h)
+
+
 def _triggered(orig):
     """``block_update`` / ``column_update`` with the trigger read before the update and, once
     it fired and a switch variant is on, the tensor's own per-element update instead."""
@@ -481,17 +497,7 @@ def _triggered(orig):
             if mode == "c" and st.block_size > 0 and factor is not None:
                 _TRIG_FIRED_C.add(ptr)
                 return orig(p, g, st, h, levels, mids, bits, factor)
-            key = (ptr, st.start)
-            if key not in _B1:
-                m, d2, _ = _shared_model(g, st, h, levels, bits, factor)
-                _B1[key] = SimpleNamespace(
-                    start=st.start,
-                    numel=st.numel,
-                    exp_avg=m.reshape(-1).to(torch.bfloat16),
-                    exp_avg_sq=d2.reshape(-1).to(torch.bfloat16),
-                )
-            reference.dense_update(p, g, _B1[key], h)
-            return None
+            return _switched_b1(p, g, st, h, levels, bits, factor, ptr)
         if whole and h.step > 1:
             m, d2, gv = _shared_model(g, st, h, levels, bits, factor)
             c = trigger_spread(gv, m, d2)
@@ -772,17 +778,7 @@ def _triggered2(orig):
             )
         rule = next((k[5:] for k in _FLAGS if k.startswith("rule_")), None)
         if _FLAGS.get("trig2_b1") and rule in trig.fired:
-            key = (ptr, st.start)
-            if key not in _B1:
-                m, d2, _ = _shared_model(g, st, h, levels, bits, factor)
-                _B1[key] = SimpleNamespace(
-                    start=st.start,
-                    numel=st.numel,
-                    exp_avg=m.reshape(-1).to(torch.bfloat16),
-                    exp_avg_sq=d2.reshape(-1).to(torch.bfloat16),
-                )
-            reference.dense_update(p, g, _B1[key], h)
-            return None
+            return _switched_b1(p, g, st, h, levels, bits, factor, ptr)
         if whole:
             m, d2, gv = _shared_model(g, st, h, levels, bits, factor)
             own = _OWN2.get(ptr)

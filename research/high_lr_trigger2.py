@@ -135,6 +135,14 @@ def fields_of() -> list[str]:
 _PARAMS: dict[str, int] = {}
 
 
+def _logged_tensors(recs: list[dict]):
+    """(record, tensor name, its trigger log) of every logging run (``+trig2``), in key order."""
+    for r in sorted(recs, key=lambda r: r["key"]):
+        if r["optimizer"].endswith("+trig2") and r.get("trigger2"):
+            for name, t in r["trigger2"]["tensors"].items():
+                yield r, name, t
+
+
 def _k(r: dict) -> str:
     """The run's key with ' ' for '|' (markdown)."""
     return r["key"].replace("|", " ")
@@ -186,14 +194,11 @@ def main() -> None:
     print("## Fire steps per rule (offline, from the logging runs)\n")
     print("| run | tensor | " + " | ".join(rule_names) + " |")
     print("|---|---|" + "---|" * len(rule_names))
-    for r in sorted(recs, key=lambda r: r["key"]):
-        if not r["optimizer"].endswith("+trig2") or not r.get("trigger2"):
-            continue
-        for name, t in r["trigger2"]["tensors"].items():
-            f = rule_fires(t, fields)
-            fired_rows.append((r, name, f))
-            cells = ["—" if f[k] is None else str(f[k]) for k in rule_names]
-            print(f"| {_k(r)} | {name} | " + " | ".join(cells) + " |")
+    for r, name, t in _logged_tensors(recs):
+        f = rule_fires(t, fields)
+        fired_rows.append((r, name, f))
+        cells = ["—" if f[k] is None else str(f[k]) for k in rule_names]
+        print(f"| {_k(r)} | {name} | " + " | ".join(cells) + " |")
     print("\n## Per rule: tensor-runs it fires on (of all), and the range of the steps\n")
     print(
         "| rule | must stay silent: gpt2 3e-3, lstm 0.03, gru_wide 1e-2 "
@@ -218,20 +223,17 @@ def main() -> None:
     cols = ["lt", "lw", "cvt", "cw", "vt", "qt", "qh", "cfn", "cv", "R"]
     print("| run | tensor | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))
-    for r in sorted(recs, key=lambda r: r["key"]):
-        if not r["optimizer"].endswith("+trig2") or not r.get("trigger2"):
-            continue
-        for name, t in r["trigger2"]["tensors"].items():
-            cells = []
-            for c in cols:
-                s = dict(
-                    raw_series(t["rows"], fields, c)
-                    if c in ("lt", "vt", "qt", "lw", "cvt", "cw")
-                    else ema_series(t["rows"], fields, c)
-                )
-                vals = [s.get(k) for k in (21, 100, 200, 300, 500)]
-                cells.append(" ".join("—" if v is None else f"{v:.2f}" for v in vals))
-            print(f"| {_k(r)} | {name} | " + " | ".join(cells) + " |")
+    for r, name, t in _logged_tensors(recs):
+        cells = []
+        for c in cols:
+            s = dict(
+                raw_series(t["rows"], fields, c)
+                if c in ("lt", "vt", "qt", "lw", "cvt", "cw")
+                else ema_series(t["rows"], fields, c)
+            )
+            vals = [s.get(k) for k in (21, 100, 200, 300, 500)]
+            cells.append(" ".join("—" if v is None else f"{v:.2f}" for v in vals))
+        print(f"| {_k(r)} | {name} | " + " | ".join(cells) + " |")
     print("\n## Δ vs AdamW (same lr, seed, init and data)\n")
     print(
         "| run | val | AdamW | Δ | fired (rule: tensor@step) | B/param after | "
