@@ -21,6 +21,12 @@ the dequantised one: codes off), ``elem_v`` (the denominator from the per-elemen
 sharing off for v only, m still coded), ``rows`` (every 2-D tensor forced to row blocks),
 ``fix`` (the prototype ``bounded_denominator``, rejected: research/results/high_lr_rnn.md).
 
+Zero-memory candidates (issue 43, ``research/results/high_lr_codes.md``; all rejected): ``mf``
+(m coded in the factor's units, m / sqrt(c_j), and read back with the factor it was written in),
+``zero`` (the 4-bit codebook learned with 0 pinned as well, ``zero_pinned_codebook``), ``dyn``
+(the signed dynamic map instead of the learned codebook), ``own_g`` (AdamW's recursion with the
+shared past: this step's fold per element, g_i^2, instead of the block's mean g^2 x c_j).
+
 Trigger variants (issue 43, ``research/results/high_lr_trigger.md``): every step from the
 second on, each blocked tensor's spread c of step 6 of the partition (``partition.spread``:
 c = CV^2 of the elements' own variances around the one they share) is measured against the
@@ -54,6 +60,7 @@ from types import SimpleNamespace
 import torch
 
 from gefen_dist.backends import reference
+from gefen_dist.method import codebook as mcb
 from gefen_dist.method import codes as mcodes
 from gefen_dist.method import partition
 from gefen_dist.method.state import CROSS_FLOOR
@@ -64,6 +71,8 @@ _NAMES: dict[int, str] = {}
 _SHADOW: dict[int, torch.Tensor] = {}
 _EXACT: dict[tuple[int, int], torch.Tensor] = {}
 _FLAGS: dict[str, bool] = {}
+_PREVF: dict[tuple[int, int], torch.Tensor] = {}
+"""``mf``: per chunk, sqrt(c_j) of the factor its codes were written in."""
 _CELEM: set[tuple[int, int]] = set()
 """Chunks (keys as ``_SHADOW``'s) whose denominator is ``exact_c``'s after a ``trig_c`` switch."""
 
@@ -77,6 +86,8 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     key = (p.untyped_storage().data_ptr(), st.start + a)
     if _FLAGS.get("exact_m") and key in _EXACT:
         m = _EXACT[key].clone()
+    if _FLAGS.get("mf") and key in _PREVF:
+        m.mul_(_PREVF[key][None, :])
     if key[0] in _TRIG_FIRED_C and key not in _CELEM and f is not None:
         # trig_c's switch: the per-element v starts as the shared one, v_b * c_j
         _SHADOW[key] = v[:, None] * (f * h.bc2_sqrt).square()[None, :]
@@ -114,16 +125,27 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
         # sharing on, the rank-1 factor replaced by the element's own g^2 ratio (floored as c)
         vb = (v.sqrt() / h.bc2_sqrt)[:, None]
         denom = torch.maximum(own, vb * math.sqrt(CROSS_FLOOR))
+    if _FLAGS.get("own_g") and f is not None:
+        # AdamW's recursion with the shared past: this step's fold per element (g_i^2) instead
+        # of the block's mean g^2 times the factor
+        c = (f * h.bc2_sqrt).square()[None, :]
+        past = (v[:, None] - (1.0 - h.beta2) * g32.square().mean(dim=1, keepdim=True)) * c
+        denom = (past + (1.0 - h.beta2) * g32.square()).clamp(min=0).sqrt() / h.bc2_sqrt
     if _FLAGS.get("fix"):
         denom = bounded_denominator(denom, m, h)
     denom = denom.add_(h.eps)
     step = m / denom * h.step_size
     p32.sub_(step)
     mcodes.write_param(p, p32, h.bf16_stochastic_round, h.step, st.start + a)
-    amax = m.abs().amax(dim=1)
-    absmax.copy_(amax)
     if _FLAGS.get("exact_m"):
         _EXACT[key] = m.clone()
+    if _FLAGS.get("mf") and f is not None:
+        # m coded in the factor's units: m / sqrt(c_j), so a level spacing is one in the update
+        sf = (f * h.bc2_sqrt).clone()
+        _PREVF[key] = sf
+        m = m / sf[None, :]
+    amax = m.abs().amax(dim=1)
+    absmax.copy_(amax)
     q = m / torch.where(amax > 0, amax, torch.ones_like(amax))[:, None]
     new = reference.requantize(q, st.start + a, h.step, levels, mids, bits)
     mcodes.write_codes(st.codes, a, b, new, bits)
@@ -828,6 +850,34 @@ def _dense_watch(orig):
     return dense
 
 
+def zero_pinned_codebook(counts, bits: int) -> torch.Tensor:
+    """``codebook.learn_codebook`` with 0 pinned as well as -1 and +1 (variant ``zero``): the
+    exact optimum over [-1 | free | 0 | free | +1], each half solved by the pinned DP on the
+    half mapped onto [-1, 1] (a uniform scale of the error, so the same optimum), and the free
+    levels split between the halves at the least total error."""
+    import numpy as np
+
+    from gefen_dist.method import codebook as cb
+
+    w = cb._as_counts(counts)
+    x = cb.bin_centers(w.size).numpy()
+    n_free = (1 << bits) - 3
+    halves = []
+    for sel, to in ((x < 0, lambda y: 2 * y + 1), (x > 0, lambda y: 2 * y - 1)):
+        xs, ws = to(x[sel]), w[sel]
+        nz = ws > 0
+        halves.append((np.ascontiguousarray(xs[nz]), np.ascontiguousarray(ws[nz])))
+    best = None
+    for k in range(n_free + 1):
+        (xn, wn), (xp, wp) = halves
+        ln, cn = cb._pinned_dp(xn, wn, k + 2)
+        lp, cp = cb._pinned_dp(xp, wp, n_free - k + 2)
+        if best is None or cn + cp < best[0]:
+            best = (cn + cp, (ln - 1) / 2, (lp + 1) / 2)
+    levels = np.concatenate([best[1][:-1], best[2]])
+    return cb._to_float32_levels(cb._fill_empty(levels))
+
+
 @contextlib.contextmanager
 def variant(name: str, watch: bool = False, gates: int = 0):
     """Run Gefen under switch ``name`` (module docstring) inside the block."""
@@ -844,7 +894,12 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         bu=gopt.block_update,
         cu=gopt.column_update,
         build=tasks.build,
+        learn=mcb.learn_codebook,
     )
+    if "zero" in name.split(","):
+        mcb.learn_codebook = zero_pinned_codebook
+    if "dyn" in name.split(","):
+        mcb.learn_codebook = lambda counts, bits: mcb.dynamic_levels(bits)
     _FLAGS.clear()
     _FLAGS.update({k: True for k in name.split(",")})
     _FLAGS.update({"watch": watch, "gates": gates or (4 if "gate_c" in _FLAGS else 0)})
@@ -853,6 +908,7 @@ def variant(name: str, watch: bool = False, gates: int = 0):
     _VC.clear()
     _HV.clear()
     _CELEM.clear()
+    _PREVF.clear()
     _TRIG.clear()
     _TRIG_FIRED_C.clear()
     _B1.clear()
@@ -888,6 +944,7 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         gopt.block_update = saved["bu"]
         gopt.column_update = saved["cu"]
         tasks.build = saved["build"]
+        mcb.learn_codebook = saved["learn"]
         _FLAGS.clear()
 
 
