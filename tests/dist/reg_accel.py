@@ -25,6 +25,7 @@ import gefen_dist
 import gefen_dist.integrations.fsdp
 from gefen_dist import Gefen
 from gefen_dist.demo.model import GPT, GPTConfig
+from teardown import finish
 
 torch.set_num_threads(1)
 TINY = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=64)
@@ -111,3 +112,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    finish()

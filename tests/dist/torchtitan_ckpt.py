@@ -19,6 +19,7 @@ import traceback
 
 import torch.distributed as dist
 from fsdp_common import batch, build, global_loss, init, rows, shard, write
+from teardown import finish
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupConfig
 
@@ -74,7 +75,6 @@ def main() -> None:
             result["error"] = f"{type(e).__name__}: {e}"
             result["trace"] = traceback.format_exc()[-3000:]
             write(out, result)
-            dist.destroy_process_group()
             return
         first = SAVE_AT
         gefen = next(o for o in opts if isinstance(o, Gefen))
@@ -98,8 +98,8 @@ def main() -> None:
         n: p.full_tensor().detach().flatten().tolist() for n, p in model.named_parameters()
     }
     write(out, result)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish()
