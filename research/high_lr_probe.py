@@ -25,7 +25,9 @@ Zero-memory candidates (issue 43, ``research/results/high_lr_codes.md``; all rej
 (m coded in the factor's units, m / sqrt(c_j), and read back with the factor it was written in),
 ``zero`` (the 4-bit codebook learned with 0 pinned as well, ``zero_pinned_codebook``), ``dyn``
 (the signed dynamic map instead of the learned codebook), ``own_g`` (AdamW's recursion with the
-shared past: this step's fold per element, g_i^2, instead of the block's mean g^2 x c_j).
+shared past: this step's fold per element, g_i^2, instead of the block's mean g^2 x c_j),
+``qr`` (4-bit stochastic rounding with u from a per-element low-discrepancy sequence over steps,
+u_t = frac(u_0(index) + t * phi), ``quasi_random_codes``, instead of a fresh hash each step).
 
 Trigger variants (issue 43, ``research/results/high_lr_trigger.md``): every step from the
 second on, each blocked tensor's spread c of step 6 of the partition (``partition.spread``:
@@ -878,6 +880,19 @@ def zero_pinned_codebook(counts, bits: int) -> torch.Tensor:
     return cb._to_float32_levels(cb._fill_empty(levels))
 
 
+_PHI = (5**0.5 - 1) / 2
+
+
+def quasi_random_codes(x: torch.Tensor, first: int, step: int, levels: torch.Tensor):
+    """``reference.stochastic_codes`` with each element's u walking its own golden-ratio
+    sequence over steps: for an m that stays in one cell, the rounding's running sum stays
+    within one spacing of the exact one instead of growing as sqrt(steps)."""
+    index = torch.arange(first, first + x.numel(), device=x.device)
+    u0 = mcodes.uniforms(0, index).double()
+    u = torch.frac(u0 + (step * _PHI) % 1.0).float()
+    return mcodes.stochastic_quantize(x, levels, u)
+
+
 @contextlib.contextmanager
 def variant(name: str, watch: bool = False, gates: int = 0):
     """Run Gefen under switch ``name`` (module docstring) inside the block."""
@@ -895,7 +910,10 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         cu=gopt.column_update,
         build=tasks.build,
         learn=mcb.learn_codebook,
+        sc=reference.stochastic_codes,
     )
+    if "qr" in name.split(","):
+        reference.stochastic_codes = quasi_random_codes
     if "zero" in name.split(","):
         mcb.learn_codebook = zero_pinned_codebook
     if "dyn" in name.split(","):
@@ -945,6 +963,7 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         gopt.column_update = saved["cu"]
         tasks.build = saved["build"]
         mcb.learn_codebook = saved["learn"]
+        reference.stochastic_codes = saved["sc"]
         _FLAGS.clear()
 
 
