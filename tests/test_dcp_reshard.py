@@ -154,7 +154,8 @@ def test_every_layout_saves_the_single_process_blocks(runs):
 def test_a_checkpoint_in_the_per_rank_format_loads_with_plain_dcp(runs, world):
     """tests/data/fsdp2_per_rank_format: the uneven ``Odd`` model (column blocks, which FSDP2's
     row split cuts) saved on 2 ranks by gefen_dist before format 2 (docs/history.md). At 2 ranks
-    each rank reads its own entry: the saved run's losses exactly. Elsewhere the template asks
+    each rank reads its own entry: the saved run's first loss exactly, the next within 1e-6
+    (they ran on the CPU that saved them). Elsewhere the template asks
     for every saved rank's entry and the pieces are re-cut (``integrations.rank_entries.recut``). In
     one process that is the state ``consolidate`` and ``load_optimizer`` give, bit for bit
     (whose drift on this model is 5.0e-4 by the last of 4 steps, the data-parallel average
@@ -165,7 +166,11 @@ def test_a_checkpoint_in_the_per_rank_format_loads_with_plain_dcp(runs, world):
     got = runs[2][world]
     drift = resume_drift(base["losses"], got[0]["losses"], base["saved_at"])
     if world == base["world"]:
-        assert max(drift) == 0.0, drift
+        # the first loss is the loaded state's forward: exact. The steps after it run this
+        # machine's kernels, and the stored losses another CPU's (an AVX512 host differs from
+        # the one that saved them by 9e-8); same-machine resumes are held bit for bit above
+        assert drift[0] == 0.0, drift
+        assert max(drift) <= FIRST_TOL, drift
         return
     assert drift[0] <= FIRST_TOL, drift
     if world == 1:
