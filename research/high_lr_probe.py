@@ -29,6 +29,17 @@ shared past: this step's fold per element, g_i^2, instead of the block's mean g^
 ``qr`` (4-bit stochastic rounding with u from a per-element low-discrepancy sequence over steps,
 u_t = frac(u_0(index) + t * phi), ``quasi_random_codes``, instead of a fresh hash each step).
 
+Fourth study (issue 43, ``research/results/high_lr_head.md``): ``gN`` (m's absmax per run of N
+elements of a row, ``group_absmax``, instead of one per block), ``mcol`` (m coded under a rank-1
+envelope, row absmax x column scale max_i |m_ij| / absmax_i), ``mcolT`` (the envelope from the
+columns' absmax first), ``near`` (4-bit codes rounded to the nearest level, ``nearest_codes``),
+``ef`` (the coding error of the m stored now moved into the weight at once, by what the next
+steps will add through beta1^k: zero memory), ``exact_m:NAME`` (fp32 m only on tensors whose name
+contains NAME; with ``part_cols``, ``part_rows`` or ``part_small`` only on the columns above
+the median column, the rows above the median row absmax, or the elements under a sixteenth
+of their row's absmax). With ``watch`` on, each record also carries ``nsr_q`` and ``nsr_upd``
+(``_rounding_noise``: stochastic rounding's variance over the power of m and of the update).
+
 Trigger variants (issue 43, ``research/results/high_lr_trigger.md``): every step from the
 second on, each blocked tensor's spread c of step 6 of the partition (``partition.spread``:
 c = CV^2 of the elements' own variances around the one they share) is measured against the
@@ -55,6 +66,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -88,6 +100,28 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     key = (p.untyped_storage().data_ptr(), st.start + a)
     if _FLAGS.get("exact_m") and key in _EXACT:
         m = _EXACT[key].clone()
+    only = next((k[8:] for k in _FLAGS if k.startswith("exact_m:")), None)
+    if only is not None and only in _NAMES.get(key[0], "") and key in _EXACT:
+        ex = _EXACT[key]
+        part = next((k for k in _FLAGS if k in ("part_cols", "part_rows", "part_small")), None)
+        if part is None:
+            m = ex.clone()
+        else:
+            a_ = ex.abs()
+            r_ = a_.amax(dim=1, keepdim=True).clamp(min=1e-30)
+            if part == "part_cols":  # the columns whose mean |m| / row absmax is above median
+                cm = (a_ / r_).mean(dim=0)
+                sel = (cm > cm.median())[None, :].expand_as(m)
+            elif part == "part_rows":  # the rows whose absmax is above the median row's
+                sel = (r_ > r_.median()).expand_as(m)
+            else:  # the elements under a sixteenth of their row's absmax
+                sel = a_ < r_ / 16
+            m = torch.where(sel, ex, m)
+    if key in _GABS:
+        m = levels[mcodes.read_codes(st.codes, a, b, bits).long()].view_as(g32)
+        m.mul_(_GABS[key].repeat_interleave(_group(), dim=1)[:, : g32.shape[1]])
+    if key in _MCOL:
+        m.mul_(_MCOL[key][None, :])
     if _FLAGS.get("mf") and key in _PREVF:
         m.mul_(_PREVF[key][None, :])
     if key[0] in _TRIG_FIRED_C and key not in _CELEM and f is not None:
@@ -138,8 +172,16 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     denom = denom.add_(h.eps)
     step = m / denom * h.step_size
     p32.sub_(step)
+    if _FLAGS.get("ef"):
+        # the coding error of the m stored now reaches the next steps as beta1^k of itself:
+        # move the weight now by what those steps will add, at this step's size and denominator
+        amx = m.abs().amax(dim=1)
+        qq = m / torch.where(amx > 0, amx, torch.ones_like(amx))[:, None]
+        nc = reference.requantize(qq, st.start + a, h.step, levels, mids, bits)
+        err = levels[nc.long()].view_as(m) * amx[:, None] - m
+        p32.add_(err / denom * (h.step_size * h.beta1 / (1.0 - h.beta1)))
     mcodes.write_param(p, p32, h.bf16_stochastic_round, h.step, st.start + a)
-    if _FLAGS.get("exact_m"):
+    if _FLAGS.get("exact_m") or only is not None:
         _EXACT[key] = m.clone()
     if _FLAGS.get("mf") and f is not None:
         # m coded in the factor's units: m / sqrt(c_j), so a level spacing is one in the update
@@ -149,6 +191,29 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     amax = m.abs().amax(dim=1)
     absmax.copy_(amax)
     q = m / torch.where(amax > 0, amax, torch.ones_like(amax))[:, None]
+    if _FLAGS.get("mcol"):
+        r = torch.where(amax > 0, amax, torch.ones_like(amax))[:, None]
+        s = (m.abs() / r).amax(dim=0)
+        _MCOL[key] = s
+        q = m / (r * torch.where(s > 0, s, torch.ones_like(s))[None, :])
+    if _FLAGS.get("mcolT"):
+        # the rank-1 envelope |m_ij| <= r_i s_j from the other side: each column's absmax
+        # first, then each row's max over its column-scaled entries (<= 1)
+        a_ = m.abs()
+        s = a_.amax(dim=0)
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        r = (a_ / s[None, :]).amax(dim=1)
+        absmax.copy_(r)
+        _MCOL[key] = s
+        q = m / (torch.where(r > 0, r, torch.ones_like(r))[:, None] * s[None, :])
+    if _group() and m.shape[1] > _group():
+        # with ``mcol`` too, the groups' absmax is taken over m / s_j (both scales kept)
+        sc = _MCOL.get(key)
+        lev = m / torch.where(sc > 0, sc, torch.ones_like(sc))[None, :] if sc is not None else m
+        gabs = group_absmax(lev, _group())
+        _GABS[key] = gabs
+        ge = gabs.repeat_interleave(_group(), dim=1)[:, : m.shape[1]]
+        q = lev / torch.where(ge > 0, ge, torch.ones_like(ge))
     new = reference.requantize(q, st.start + a, h.step, levels, mids, bits)
     mcodes.write_codes(st.codes, a, b, new, bits)
     if _FLAGS.get("watch"):
@@ -172,6 +237,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
             blocks=st.block_size,
             w_rms=float(p32.square().mean().sqrt()),
             alike_c=_alike_spread(g32, denom - h.eps, h),
+            **_rounding_noise(q, levels, amax, m, denom),
         )
         if cols is not None and cols.c_lag.shape[0] == 1:
             rec.update(_column_stats(cols, lam, over_el, own, v, h, step, m))
@@ -204,6 +270,40 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
                 over=over_el.clone(),
                 f=f,
             )
+
+
+def _rounding_noise(q, levels, amax, m, denom) -> dict:
+    """Stochastic rounding's variance against the signal it carries: ``nsr_q`` in m's own
+    units (mean (q - l_lo)(l_hi - q) over mean q^2), ``nsr_upd`` in the update's
+    (each element's variance times (absmax / denom)^2 over mean (m / denom)^2)."""
+    flat = q.reshape(-1).clamp(-1.0, 1.0)
+    i = torch.searchsorted(levels, flat).clamp(1, levels.numel() - 1)
+    var = ((flat - levels[i - 1]) * (levels[i] - flat)).clamp(min=0).view_as(q)
+    scale = (amax[:, None] / denom).square()
+    return dict(
+        nsr_q=float(var.mean() / q.square().mean().clamp(min=1e-30)),
+        nsr_upd=float((var * scale).mean() / (m / denom).square().mean().clamp(min=1e-30)),
+    )
+
+
+_GABS: dict[tuple[int, int], torch.Tensor] = {}
+"""``gN``: per chunk, m's absmax per group of N elements of a block's row."""
+
+
+_MCOL: dict[tuple[int, int], torch.Tensor] = {}
+"""``mcol``: per chunk, m's column scale under its rows' absmax, max_i |m_ij| / absmax_i."""
+
+
+def _group() -> int:
+    return next((int(k[1:]) for k in _FLAGS if re.fullmatch(r"g\d+", k)), 0)
+
+
+def group_absmax(m: torch.Tensor, n: int) -> torch.Tensor:
+    """m's absmax over each run of ``n`` elements of a row (the last run may be short)."""
+    rows, cols = m.shape
+    groups = -(-cols // n)
+    padded = torch.nn.functional.pad(m.abs(), (0, groups * n - cols))
+    return padded.view(rows, groups, n).amax(dim=2)
 
 
 DUMP: dict[tuple[str, int], dict] = {}
@@ -893,6 +993,38 @@ def quasi_random_codes(x: torch.Tensor, first: int, step: int, levels: torch.Ten
     return mcodes.stochastic_quantize(x, levels, u)
 
 
+def nearest_codes(x: torch.Tensor, first: int, step: int, levels: torch.Tensor):
+    """4-bit codes rounded to the nearest level (variant ``near``), as 8-bit codes are and as
+    torchao's 4-bit state is, instead of stochastically."""
+    return reference.quantize(x, (levels[1:] + levels[:-1]) / 2)
+
+
+def _scaled_bins(orig):
+    """``first_step.bin_segment`` that counts g0 under ``mcol,gN``'s scales (variant ``cbn``):
+    the codebook is then learned from the values it will code, not from g0 / row absmax. The
+    column scale is taken over the rows of one chunk, not the whole tensor."""
+    from gefen_dist import first_step
+    from gefen_dist.method.segments import block_runs
+
+    def bin_segment(g, seg, block_size, acc, cut):
+        n = _group()
+        if block_size <= n:
+            return orig(g, seg, block_size, acc, cut)
+        for run in block_runs(seg.start, seg.numel, block_size):
+            rows = max(1, partition.chunk_elements(g.device) // run.length)
+            for r0 in range(0, run.count, rows):
+                r1 = min(r0 + rows, run.count)
+                a = run.elem + r0 * run.length
+                x = g[a : a + (r1 - r0) * run.length].float().view(r1 - r0, run.length)
+                r = x.abs().amax(dim=1, keepdim=True)
+                sc = (x.abs() / torch.where(r > 0, r, torch.ones_like(r))).amax(dim=0)
+                lev = x / torch.where(sc > 0, sc, torch.ones_like(sc))[None, :]
+                ge = group_absmax(lev, n).repeat_interleave(n, dim=1)[:, : lev.shape[1]]
+                first_step._bin_scaled(lev, ge, acc)
+
+    return bin_segment
+
+
 @contextlib.contextmanager
 def variant(name: str, watch: bool = False, gates: int = 0):
     """Run Gefen under switch ``name`` (module docstring) inside the block."""
@@ -914,6 +1046,13 @@ def variant(name: str, watch: bool = False, gates: int = 0):
     )
     if "qr" in name.split(","):
         reference.stochastic_codes = quasi_random_codes
+    from gefen_dist import first_step
+
+    saved["bins"] = first_step.bin_segment
+    if "cbn" in name.split(","):
+        first_step.bin_segment = _scaled_bins(saved["bins"])
+    if "near" in name.split(","):
+        reference.stochastic_codes = nearest_codes
     if "zero" in name.split(","):
         mcb.learn_codebook = zero_pinned_codebook
     if "dyn" in name.split(","):
@@ -927,6 +1066,8 @@ def variant(name: str, watch: bool = False, gates: int = 0):
     _HV.clear()
     _CELEM.clear()
     _PREVF.clear()
+    _GABS.clear()
+    _MCOL.clear()
     _TRIG.clear()
     _TRIG_FIRED_C.clear()
     _B1.clear()
@@ -947,6 +1088,8 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         gopt.block_update = _triggered2(saved["bu"])
         gopt.column_update = _triggered2(saved["cu"])
         tasks.build = _naming(saved["build"])
+    if any(k.startswith("exact_m:") for k in _FLAGS):
+        tasks.build = _naming(saved["build"])
     if {"trig", "trig_b1", "trig_c"} & _FLAGS.keys():
         gopt.block_update = _triggered(saved["bu"])
         gopt.column_update = _triggered(saved["cu"])
@@ -964,6 +1107,7 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         tasks.build = saved["build"]
         mcb.learn_codebook = saved["learn"]
         reference.stochastic_codes = saved["sc"]
+        first_step.bin_segment = saved["bins"]
         _FLAGS.clear()
 
 
