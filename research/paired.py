@@ -1,7 +1,11 @@
 """Paired Δ tables from research run records (issue 43): for each (task, lr, optimizer), the
-relative final validation loss against AdamW at the same task, lr and seed, mean ± s.e.
+relative final validation loss against AdamW at the same task, lr and seed, mean ± s.e.; with
+``--against OPT``, each optimizer's Δ minus OPT's Δ on the same seeds (how far a variant moved
+from a baseline, paired).
 
-    cd research/results && python ../paired.py high_lr_best.jsonl high_lr_head.jsonl
+    cd research/results
+    python ../paired.py high_lr_best.jsonl high_lr_head.jsonl
+    python ../paired.py --against gefen4+ref high_lr_best.jsonl high_lr_head.jsonl
 
 Records (one JSON per line) need ``task``, ``lr``, ``optimizer``, ``seed``, ``status`` and
 ``final.val_loss``; AdamW's may come from any of the files given.
@@ -9,9 +13,10 @@ Records (one JSON per line) need ``task``, ``lr``, ``optimizer``, ``seed``, ``st
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import sys
+import statistics
 from collections import defaultdict
 
 
@@ -35,30 +40,46 @@ def load(paths: list[str]) -> dict[tuple, float]:
     return {k: v for k, (v, _) in out.items()}
 
 
-def table(runs: dict[tuple, float]) -> list[str]:
-    cells: dict[tuple, list[tuple[int, float]]] = defaultdict(list)
+def deltas(runs: dict[tuple, float]) -> dict[tuple, dict[int, float]]:
+    """Per (task, lr, optimizer): seed -> Δ vs AdamW in %, where AdamW ran that seed."""
+    out: dict[tuple, dict[int, float]] = defaultdict(dict)
     for (task, lr, opt, seed), val in runs.items():
         base = runs.get((task, lr, "adamw", seed))
         if opt != "adamw" and base is not None:
-            cells[(task, lr, opt)].append((seed, 100.0 * (val / base - 1.0)))
-    rows = [
-        "| task | lr | optimizer | seeds | Δ vs AdamW | per seed |",
-        "|---|---|---|---|---|---|",
-    ]
-    for (task, lr, opt), ds in sorted(cells.items()):
-        ds.sort()
-        d = [x for _, x in ds]
-        mean = sum(d) / len(d)
-        se = (
-            math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
-            if len(d) > 1
-            else 0.0
-        )
+            out[(task, lr, opt)][seed] = 100.0 * (val / base - 1.0)
+    return out
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+    return statistics.fmean(xs), se
+
+
+def table(runs: dict[tuple, float], against: str = "") -> list[str]:
+    head = "Δ vs AdamW" if not against else f"Δ minus {against}'s Δ (points)"
+    rows = [f"| task | lr | optimizer | seeds | {head} | per seed |", "|---|---|---|---|---|---|"]
+    cells = deltas(runs)
+    for (task, lr, opt), by_seed in sorted(cells.items()):
+        if against:
+            ref = cells.get((task, lr, against), {})
+            by_seed = {s: d - ref[s] for s, d in by_seed.items() if s in ref}
+            if opt == against or not by_seed:
+                continue
+        seeds = sorted(by_seed)
+        d = [by_seed[s] for s in seeds]
+        mean, se = mean_se(d)
         per = " ".join(f"{x:+.1f}" for x in d)
-        seeds = ",".join(str(s) for s, _ in ds)
-        rows.append(f"| {task} | {lr:g} | {opt} | {seeds} | {mean:+.2f} ± {se:.2f} % | {per} |")
+        unit = "" if against else " %"
+        rows.append(
+            f"| {task} | {lr:g} | {opt} | {','.join(map(str, seeds))} "
+            f"| {mean:+.2f} ± {se:.2f}{unit} | {per} |"
+        )
     return rows
 
 
 if __name__ == "__main__":
-    print("\n".join(table(load(sys.argv[1:]))))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--against", default="", help="a baseline optimizer name, e.g. gefen4+ref")
+    a = ap.parse_args()
+    print("\n".join(table(load(a.files), a.against)))
