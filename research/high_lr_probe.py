@@ -176,7 +176,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
         # the coding error of the m stored now reaches the next steps as beta1^k of itself:
         # move the weight now by what those steps will add, at this step's size and denominator
         amx = m.abs().amax(dim=1)
-        qq = m / torch.where(amx > 0, amx, torch.ones_like(amx))[:, None]
+        qq = m / _or_one(amx)[:, None]
         nc = reference.requantize(qq, st.start + a, h.step, levels, mids, bits)
         err = levels[nc.long()].view_as(m) * amx[:, None] - m
         p32.add_(err / denom * (h.step_size * h.beta1 / (1.0 - h.beta1)))
@@ -190,30 +190,28 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
         m = m / sf[None, :]
     amax = m.abs().amax(dim=1)
     absmax.copy_(amax)
-    q = m / torch.where(amax > 0, amax, torch.ones_like(amax))[:, None]
+    q = m / _or_one(amax)[:, None]
     if _FLAGS.get("mcol"):
-        r = torch.where(amax > 0, amax, torch.ones_like(amax))[:, None]
-        s = (m.abs() / r).amax(dim=0)
+        s = column_scale(m)
         _MCOL[key] = s
-        q = m / (r * torch.where(s > 0, s, torch.ones_like(s))[None, :])
+        q = m / (_or_one(amax)[:, None] * _or_one(s)[None, :])
     if _FLAGS.get("mcolT"):
         # the rank-1 envelope |m_ij| <= r_i s_j from the other side: each column's absmax
         # first, then each row's max over its column-scaled entries (<= 1)
         a_ = m.abs()
-        s = a_.amax(dim=0)
-        s = torch.where(s > 0, s, torch.ones_like(s))
+        s = _or_one(a_.amax(dim=0))
         r = (a_ / s[None, :]).amax(dim=1)
         absmax.copy_(r)
         _MCOL[key] = s
-        q = m / (torch.where(r > 0, r, torch.ones_like(r))[:, None] * s[None, :])
+        q = m / (_or_one(r)[:, None] * s[None, :])
     if _group() and m.shape[1] > _group():
         # with ``mcol`` too, the groups' absmax is taken over m / s_j (both scales kept)
         sc = _MCOL.get(key)
-        lev = m / torch.where(sc > 0, sc, torch.ones_like(sc))[None, :] if sc is not None else m
+        lev = m / _or_one(sc)[None, :] if sc is not None else m
         gabs = group_absmax(lev, _group())
         _GABS[key] = gabs
         ge = gabs.repeat_interleave(_group(), dim=1)[:, : m.shape[1]]
-        q = lev / torch.where(ge > 0, ge, torch.ones_like(ge))
+        q = lev / _or_one(ge)
     new = reference.requantize(q, st.start + a, h.step, levels, mids, bits)
     mcodes.write_codes(st.codes, a, b, new, bits)
     if _FLAGS.get("watch"):
@@ -294,6 +292,17 @@ _MCOL: dict[tuple[int, int], torch.Tensor] = {}
 """``mcol``: per chunk, m's column scale under its rows' absmax, max_i |m_ij| / absmax_i."""
 
 
+def _or_one(x: torch.Tensor) -> torch.Tensor:
+    """x with its zeros (scales of all-zero rows, columns or groups) read as 1, to divide by."""
+    return torch.where(x > 0, x, torch.ones_like(x))
+
+
+def column_scale(m: torch.Tensor) -> torch.Tensor:
+    """``mcol``'s column scale: max over rows of |m_ij| / the row's absmax (<= 1)."""
+    a = m.abs()
+    return (a / _or_one(a.amax(dim=1, keepdim=True))).amax(dim=0)
+
+
 def _group() -> int:
     return next((int(k[1:]) for k in _FLAGS if re.fullmatch(r"g\d+", k)), 0)
 
@@ -344,7 +353,7 @@ class Columns:
 
 def _ratio(x: torch.Tensor) -> torch.Tensor:
     mean = x.mean(dim=1, keepdim=True)
-    return x / torch.where(mean > 0, mean, torch.ones_like(mean))
+    return x / _or_one(mean)
 
 
 def _columns(key, g32: torch.Tensor, h, groups: int) -> Columns:
@@ -1000,29 +1009,20 @@ def nearest_codes(x: torch.Tensor, first: int, step: int, levels: torch.Tensor):
 
 
 def _scaled_bins(orig):
-    """``first_step.bin_segment`` that counts g0 under ``mcol,gN``'s scales (variant ``cbn``):
-    the codebook is then learned from the values it will code, not from g0 / row absmax. The
-    column scale is taken over the rows of one chunk, not the whole tensor."""
-    from gefen_dist import first_step
-    from gefen_dist.method.segments import block_runs
+    """``first_step._bin_scaled`` that counts g0 under ``mcol,gN``'s scales (variant ``cbn``):
+    the codebook is then learned from the values it will code, not from g0 / row absmax. It
+    takes the rows ``bin_segment`` hands it (one chunk's, so the column scale is that chunk's,
+    not the whole tensor's); column blocks and rows of N or fewer are counted as built."""
 
-    def bin_segment(g, seg, block_size, acc, cut):
+    def bin_scaled(x: torch.Tensor, amax: torch.Tensor, acc: torch.Tensor) -> None:
         n = _group()
-        if block_size <= n:
-            return orig(g, seg, block_size, acc, cut)
-        for run in block_runs(seg.start, seg.numel, block_size):
-            rows = max(1, partition.chunk_elements(g.device) // run.length)
-            for r0 in range(0, run.count, rows):
-                r1 = min(r0 + rows, run.count)
-                a = run.elem + r0 * run.length
-                x = g[a : a + (r1 - r0) * run.length].float().view(r1 - r0, run.length)
-                r = x.abs().amax(dim=1, keepdim=True)
-                sc = (x.abs() / torch.where(r > 0, r, torch.ones_like(r))).amax(dim=0)
-                lev = x / torch.where(sc > 0, sc, torch.ones_like(sc))[None, :]
-                ge = group_absmax(lev, n).repeat_interleave(n, dim=1)[:, : lev.shape[1]]
-                first_step._bin_scaled(lev, ge, acc)
+        if not n or amax.dim() != 2 or amax.shape[1] != 1 or x.shape[1] <= n:
+            return orig(x, amax, acc)
+        lev = x / _or_one(column_scale(x))[None, :]
+        ge = group_absmax(lev, n).repeat_interleave(n, dim=1)[:, : lev.shape[1]]
+        orig(lev, ge, acc)
 
-    return bin_segment
+    return bin_scaled
 
 
 @contextlib.contextmanager
@@ -1048,9 +1048,9 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         reference.stochastic_codes = quasi_random_codes
     from gefen_dist import first_step
 
-    saved["bins"] = first_step.bin_segment
+    saved["bins"] = first_step._bin_scaled
     if "cbn" in name.split(","):
-        first_step.bin_segment = _scaled_bins(saved["bins"])
+        first_step._bin_scaled = _scaled_bins(saved["bins"])
     if "near" in name.split(","):
         reference.stochastic_codes = nearest_codes
     if "zero" in name.split(","):
@@ -1107,7 +1107,7 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         tasks.build = saved["build"]
         mcb.learn_codebook = saved["learn"]
         reference.stochastic_codes = saved["sc"]
-        first_step.bin_segment = saved["bins"]
+        first_step._bin_scaled = saved["bins"]
         _FLAGS.clear()
 
 
