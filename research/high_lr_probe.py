@@ -40,6 +40,14 @@ the median column, the rows above the median row absmax, or the elements under a
 of their row's absmax). With ``watch`` on, each record also carries ``nsr_q`` and ``nsr_upd``
 (``_rounding_noise``: stochastic rounding's variance over the power of m and of the update).
 
+Fifth study (issue 43, ``research/results/high_lr_design.md``), how a kernel could hold
+``mcol,gN``: ``shardN`` (the column scale's max taken within each of N equal runs of a chunk's
+rows, as each rank of a dim-0 sharding would without a collective), ``stale`` (this step's m
+coded under the column scale measured on the previous step's, so a kernel needs one pass; the
+groups' absmax keeps |q| <= 1), ``long`` (the column scale only on blocks longer than a group),
+``bf16g`` (the groups' absmax stored in bf16, rounded up: ``bf16_up``), ``mcol0`` (with
+``mcol``: the column scale of the first m, (1 - beta1) g0, kept for the run).
+
 Trigger variants (issue 43, ``research/results/high_lr_trigger.md``): every step from the
 second on, each blocked tensor's spread c of step 6 of the partition (``partition.spread``:
 c = CV^2 of the elements' own variances around the one they share) is measured against the
@@ -121,7 +129,8 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
         m = levels[mcodes.read_codes(st.codes, a, b, bits).long()].view_as(g32)
         m.mul_(_GABS[key].repeat_interleave(_group(), dim=1)[:, : g32.shape[1]])
     if key in _MCOL:
-        m.mul_(_MCOL[key][None, :])
+        sc = _MCOL[key]
+        m.mul_(sc if sc.dim() == 2 else sc[None, :])
     if _FLAGS.get("mf") and key in _PREVF:
         m.mul_(_PREVF[key][None, :])
     if key[0] in _TRIG_FIRED_C and key not in _CELEM and f is not None:
@@ -191,10 +200,17 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     amax = m.abs().amax(dim=1)
     absmax.copy_(amax)
     q = m / _or_one(amax)[:, None]
-    if _FLAGS.get("mcol"):
-        s = column_scale(m)
+    if _FLAGS.get("mcol") and not (_FLAGS.get("long") and m.shape[1] <= _group()):
+        s = column_scale(m, _shards())
+        if _FLAGS.get("mcol0"):
+            # the scale of the first m, (1 - beta1) g0, kept for the whole run
+            s = _MCOL_NEXT.setdefault(key, s)
+        if _FLAGS.get("stale"):
+            # code this step's m under the scale the previous step measured (one pass in a
+            # kernel); the groups' absmax below keeps every |q| <= 1
+            s, _MCOL_NEXT[key] = _MCOL_NEXT.get(key, s), s
         _MCOL[key] = s
-        q = m / (_or_one(amax)[:, None] * _or_one(s)[None, :])
+        q = m / (_or_one(amax)[:, None] * _or_one(s if s.dim() == 2 else s[None, :]))
     if _FLAGS.get("mcolT"):
         # the rank-1 envelope |m_ij| <= r_i s_j from the other side: each column's absmax
         # first, then each row's max over its column-scaled entries (<= 1)
@@ -207,8 +223,10 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     if _group() and m.shape[1] > _group():
         # with ``mcol`` too, the groups' absmax is taken over m / s_j (both scales kept)
         sc = _MCOL.get(key)
-        lev = m / _or_one(sc)[None, :] if sc is not None else m
+        lev = m / _or_one(sc if sc.dim() == 2 else sc[None, :]) if sc is not None else m
         gabs = group_absmax(lev, _group())
+        if _FLAGS.get("bf16g"):
+            gabs = bf16_up(gabs)
         _GABS[key] = gabs
         ge = gabs.repeat_interleave(_group(), dim=1)[:, : m.shape[1]]
         q = lev / _or_one(ge)
@@ -297,10 +315,32 @@ def _or_one(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 0, x, torch.ones_like(x))
 
 
-def column_scale(m: torch.Tensor) -> torch.Tensor:
-    """``mcol``'s column scale: max over rows of |m_ij| / the row's absmax (<= 1)."""
+_MCOL_NEXT: dict[tuple[int, int], torch.Tensor] = {}
+"""``stale``: per chunk, the column scale measured on this step's m, used to code the next."""
+
+
+def column_scale(m: torch.Tensor, shards: int = 0) -> torch.Tensor:
+    """``mcol``'s column scale: max over rows of |m_ij| / the row's absmax (<= 1). With
+    ``shards`` (variant ``shardN``) the max is taken within each of N equal runs of rows, as
+    each rank of a dim-0 sharding would without a collective, and returned per row."""
     a = m.abs()
-    return (a / _or_one(a.amax(dim=1, keepdim=True))).amax(dim=0)
+    r = a / _or_one(a.amax(dim=1, keepdim=True))
+    if not shards:
+        return r.amax(dim=0)
+    parts = torch.tensor_split(torch.arange(m.shape[0]), shards)
+    return torch.cat([r[i].amax(dim=0, keepdim=True).expand(len(i), -1) for i in parts])
+
+
+def _shards() -> int:
+    return next((int(k[5:]) for k in _FLAGS if re.fullmatch(r"shard\d+", k)), 0)
+
+
+def bf16_up(x: torch.Tensor) -> torch.Tensor:
+    """x >= 0 rounded up to bf16 (variant ``bf16g``): the scale a kernel would store, never
+    under the absmax it stands for, so every |q| stays <= 1."""
+    h = x.to(torch.bfloat16)
+    bits = h.view(torch.int16) + (h.float() < x).to(torch.int16)
+    return bits.view(torch.bfloat16).float()
 
 
 def _group() -> int:
@@ -1068,6 +1108,7 @@ def variant(name: str, watch: bool = False, gates: int = 0):
     _PREVF.clear()
     _GABS.clear()
     _MCOL.clear()
+    _MCOL_NEXT.clear()
     _TRIG.clear()
     _TRIG_FIRED_C.clear()
     _B1.clear()

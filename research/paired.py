@@ -1,11 +1,13 @@
 """Paired Δ tables from research run records (issue 43): for each (task, lr, optimizer), the
 relative final validation loss against AdamW at the same task, lr and seed, mean ± s.e.; with
 ``--against OPT``, each optimizer's Δ minus OPT's Δ on the same seeds (how far a variant moved
-from a baseline, paired).
+from a baseline, paired). With ``--metric val_acc`` a classifier's accuracy instead: Δ in
+points, acc - AdamW's acc (the suite's figure for its classifiers).
 
     cd research/results
     python ../paired.py high_lr_best.jsonl high_lr_head.jsonl
     python ../paired.py --against gefen4+ref high_lr_best.jsonl high_lr_head.jsonl
+    python ../paired.py --metric val_acc high_lr_head.jsonl
 
 Records (one JSON per line) need ``task``, ``lr``, ``optimizer``, ``seed``, ``status`` and
 ``final.val_loss``; AdamW's may come from any of the files given.
@@ -20,17 +22,17 @@ import statistics
 from collections import defaultdict
 
 
-def load(paths: list[str]) -> dict[tuple, float]:
+def load(paths: list[str], metric: str = "val_loss") -> dict[tuple, float]:
     out: dict[tuple, tuple[float, str]] = {}
     for path in paths:
         for line in open(path):
             if not line.strip():
                 continue
             r = json.loads(line)
-            if r.get("status") != "ok":
+            if r.get("status") != "ok" or metric not in r["final"]:
                 continue
             key = (r["task"], float(r["lr"]), r["optimizer"], int(r["seed"]))
-            val = float(r["final"]["val_loss"])
+            val = float(r["final"][metric])
             if key in out and out[key][0] != val:
                 raise ValueError(
                     f"{key} is {out[key][0]} in {out[key][1]} and {val} in {path}: "
@@ -40,13 +42,14 @@ def load(paths: list[str]) -> dict[tuple, float]:
     return {k: v for k, (v, _) in out.items()}
 
 
-def deltas(runs: dict[tuple, float]) -> dict[tuple, dict[int, float]]:
-    """Per (task, lr, optimizer): seed -> Δ vs AdamW in %, where AdamW ran that seed."""
+def deltas(runs: dict[tuple, float], points: bool = False) -> dict[tuple, dict[int, float]]:
+    """Per (task, lr, optimizer): seed -> Δ vs AdamW in % (``points``: in points of a
+    fraction, 100 (x - x_AdamW)), where AdamW ran that seed."""
     out: dict[tuple, dict[int, float]] = defaultdict(dict)
     for (task, lr, opt, seed), val in runs.items():
         base = runs.get((task, lr, "adamw", seed))
         if opt != "adamw" and base is not None:
-            out[(task, lr, opt)][seed] = 100.0 * (val / base - 1.0)
+            out[(task, lr, opt)][seed] = 100.0 * (val - base if points else val / base - 1.0)
     return out
 
 
@@ -55,10 +58,11 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), se
 
 
-def table(runs: dict[tuple, float], against: str = "") -> list[str]:
-    head = "Δ vs AdamW" if not against else f"Δ minus {against}'s Δ (points)"
+def table(runs: dict[tuple, float], against: str = "", points: bool = False) -> list[str]:
+    head = "Δ vs AdamW" + (" (points)" if points else "")
+    head = head if not against else f"Δ minus {against}'s Δ (points)"
     rows = [f"| task | lr | optimizer | seeds | {head} | per seed |", "|---|---|---|---|---|---|"]
-    cells = deltas(runs)
+    cells = deltas(runs, points)
     for (task, lr, opt), by_seed in sorted(cells.items()):
         if against:
             ref = cells.get((task, lr, against), {})
@@ -69,7 +73,7 @@ def table(runs: dict[tuple, float], against: str = "") -> list[str]:
         d = [by_seed[s] for s in seeds]
         mean, se = mean_se(d)
         per = " ".join(f"{x:+.1f}" for x in d)
-        unit = "" if against else " %"
+        unit = "" if against or points else " %"
         rows.append(
             f"| {task} | {lr:g} | {opt} | {','.join(map(str, seeds))} "
             f"| {mean:+.2f} ± {se:.2f}{unit} | {per} |"
@@ -81,5 +85,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--against", default="", help="a baseline optimizer name, e.g. gefen4+ref")
+    ap.add_argument("--metric", default="val_loss", choices=["val_loss", "val_acc"])
     a = ap.parse_args()
-    print("\n".join(table(load(a.files), a.against)))
+    runs = load(a.files, a.metric)
+    print("\n".join(table(runs, a.against, points=a.metric == "val_acc")))
