@@ -129,8 +129,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
         m = levels[mcodes.read_codes(st.codes, a, b, bits).long()].view_as(g32)
         m.mul_(_GABS[key].repeat_interleave(_group(), dim=1)[:, : g32.shape[1]])
     if key in _MCOL:
-        sc = _MCOL[key]
-        m.mul_(sc if sc.dim() == 2 else sc[None, :])
+        m.mul_(_broadcast(_MCOL[key]))
     if _FLAGS.get("mf") and key in _PREVF:
         m.mul_(_PREVF[key][None, :])
     if key[0] in _TRIG_FIRED_C and key not in _CELEM and f is not None:
@@ -204,13 +203,13 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
         s = column_scale(m, _shards())
         if _FLAGS.get("mcol0"):
             # the scale of the first m, (1 - beta1) g0, kept for the whole run
-            s = _MCOL_NEXT.setdefault(key, s)
+            s = _MCOL_FIRST.setdefault(key, s)
         if _FLAGS.get("stale"):
             # code this step's m under the scale the previous step measured (one pass in a
             # kernel); the groups' absmax below keeps every |q| <= 1
             s, _MCOL_NEXT[key] = _MCOL_NEXT.get(key, s), s
         _MCOL[key] = s
-        q = m / (_or_one(amax)[:, None] * _or_one(s if s.dim() == 2 else s[None, :]))
+        q = m / (_or_one(amax)[:, None] * _or_one(_broadcast(s)))
     if _FLAGS.get("mcolT"):
         # the rank-1 envelope |m_ij| <= r_i s_j from the other side: each column's absmax
         # first, then each row's max over its column-scaled entries (<= 1)
@@ -223,7 +222,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     if _group() and m.shape[1] > _group():
         # with ``mcol`` too, the groups' absmax is taken over m / s_j (both scales kept)
         sc = _MCOL.get(key)
-        lev = m / _or_one(sc if sc.dim() == 2 else sc[None, :]) if sc is not None else m
+        lev = m / _or_one(_broadcast(sc)) if sc is not None else m
         gabs = group_absmax(lev, _group())
         if _FLAGS.get("bf16g"):
             gabs = bf16_up(gabs)
@@ -317,6 +316,13 @@ def _or_one(x: torch.Tensor) -> torch.Tensor:
 
 _MCOL_NEXT: dict[tuple[int, int], torch.Tensor] = {}
 """``stale``: per chunk, the column scale measured on this step's m, used to code the next."""
+_MCOL_FIRST: dict[tuple[int, int], torch.Tensor] = {}
+"""``mcol0``: per chunk, the column scale of its first m, used for the whole run."""
+
+
+def _broadcast(s: torch.Tensor) -> torch.Tensor:
+    """A column scale over a chunk's rows: one per column, or (``shardN``) one per element."""
+    return s if s.dim() == 2 else s[None, :]
 
 
 def column_scale(m: torch.Tensor, shards: int = 0) -> torch.Tensor:
@@ -1109,6 +1115,7 @@ def variant(name: str, watch: bool = False, gates: int = 0):
     _GABS.clear()
     _MCOL.clear()
     _MCOL_NEXT.clear()
+    _MCOL_FIRST.clear()
     _TRIG.clear()
     _TRIG_FIRED_C.clear()
     _B1.clear()
