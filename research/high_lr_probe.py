@@ -46,7 +46,8 @@ rows, as each rank of a dim-0 sharding would without a collective), ``stale`` (t
 coded under the column scale measured on the previous step's, so a kernel needs one pass; the
 groups' absmax keeps |q| <= 1), ``long`` (the column scale only on blocks longer than a group),
 ``bf16g`` (the groups' absmax stored in bf16, rounded up: ``bf16_up``), ``mcol0`` (with
-``mcol``: the column scale of the first m, (1 - beta1) g0, kept for the run).
+``mcol``: the column scale of the first m, (1 - beta1) g0, kept for the run), ``bf16s`` (the
+column scale stored in bf16, rounded to nearest: the groups' absmax keeps |q| <= 1).
 
 Trigger variants (issue 43, ``research/results/high_lr_trigger.md``): every step from the
 second on, each blocked tensor's spread c of step 6 of the partition (``partition.spread``:
@@ -201,6 +202,8 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     q = m / _or_one(amax)[:, None]
     if _FLAGS.get("mcol") and not (_FLAGS.get("long") and m.shape[1] <= _group()):
         s = column_scale(m, _shards())
+        if _FLAGS.get("bf16s"):
+            s = s.to(torch.bfloat16).float()
         if _FLAGS.get("mcol0"):
             # the scale of the first m, (1 - beta1) g0, kept for the whole run
             s = _MCOL_FIRST.setdefault(key, s)
