@@ -128,7 +128,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
             m = torch.where(sel, ex, m)
     if key in _GABS:
         m = levels[mcodes.read_codes(st.codes, a, b, bits).long()].view_as(g32)
-        m.mul_(_GABS[key].repeat_interleave(_group(), dim=1)[:, : g32.shape[1]])
+        m.mul_(per_element(_GABS[key], _group(), g32.shape[1]))
     if key in _MCOL:
         m.mul_(_broadcast(_MCOL[key]))
     if _FLAGS.get("mf") and key in _PREVF:
@@ -230,8 +230,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
         if _FLAGS.get("bf16g"):
             gabs = bf16_up(gabs)
         _GABS[key] = gabs
-        ge = gabs.repeat_interleave(_group(), dim=1)[:, : m.shape[1]]
-        q = lev / _or_one(ge)
+        q = lev / _or_one(per_element(gabs, _group(), m.shape[1]))
     new = reference.requantize(q, st.start + a, h.step, levels, mids, bits)
     mcodes.write_codes(st.codes, a, b, new, bits)
     if _FLAGS.get("watch"):
@@ -362,6 +361,11 @@ def group_absmax(m: torch.Tensor, n: int) -> torch.Tensor:
     groups = -(-cols // n)
     padded = torch.nn.functional.pad(m.abs(), (0, groups * n - cols))
     return padded.view(rows, groups, n).amax(dim=2)
+
+
+def per_element(gabs: torch.Tensor, n: int, cols: int) -> torch.Tensor:
+    """``group_absmax``'s scales spread back over the ``cols`` elements of each row."""
+    return gabs.repeat_interleave(n, dim=1)[:, :cols]
 
 
 DUMP: dict[tuple[str, int], dict] = {}
@@ -1068,8 +1072,7 @@ def _scaled_bins(orig):
         if not n or amax.dim() != 2 or amax.shape[1] != 1 or x.shape[1] <= n:
             return orig(x, amax, acc)
         lev = x / _or_one(column_scale(x))[None, :]
-        ge = group_absmax(lev, n).repeat_interleave(n, dim=1)[:, : lev.shape[1]]
-        orig(lev, ge, acc)
+        orig(lev, per_element(group_absmax(lev, n), n, lev.shape[1]), acc)
 
     return bin_scaled
 
