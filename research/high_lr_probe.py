@@ -47,7 +47,9 @@ coded under the column scale measured on the previous step's, so a kernel needs 
 groups' absmax keeps |q| <= 1), ``long`` (the column scale only on blocks longer than a group),
 ``bf16g`` (the groups' absmax stored in bf16, rounded up: ``bf16_up``), ``mcol0`` (with
 ``mcol``: the column scale of the first m, (1 - beta1) g0, kept for the run), ``bf16s`` (the
-column scale stored in bf16, rounded to nearest: the groups' absmax keeps |q| <= 1).
+column scale stored in bf16, rounded to nearest: the groups' absmax keeps |q| <= 1), ``env``
+(with ``mcol``, no groups: each block's absmax taken over m / s_j, the rank-1 envelope's row
+side, so a frozen column scale clamps no code and the absmax stays one per block).
 
 Trigger variants (issue 43, ``research/results/high_lr_trigger.md``): every step from the
 second on, each blocked tensor's spread c of step 6 of the partition (``partition.spread``:
@@ -212,6 +214,10 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
             # kernel); the groups' absmax below keeps every |q| <= 1
             s, _MCOL_NEXT[key] = _MCOL_NEXT.get(key, s), s
         _MCOL[key] = s
+        if _FLAGS.get("env"):
+            # the row scale over m / s_j, so a frozen column scale clamps no code
+            amax = (m.abs() / _or_one(_broadcast(s))).amax(dim=1)
+            absmax.copy_(amax)
         q = m / (_or_one(amax)[:, None] * _or_one(_broadcast(s)))
     if _FLAGS.get("mcolT"):
         # the rank-1 envelope |m_ij| <= r_i s_j from the other side: each column's absmax
