@@ -45,6 +45,10 @@ Fifth study (issue 43, ``research/results/high_lr_design.md``), how a kernel cou
 rows, as each rank of a dim-0 sharding would without a collective), ``stale`` (this step's m
 coded under the column scale measured on the previous step's, so a kernel needs one pass; the
 groups' absmax keeps |q| <= 1), ``long`` (the column scale only on blocks longer than a group),
+``short`` (only on blocks of at most 64, where without groups a frozen scale clamps codes),
+``cliponly`` (with ``mcol0``: m / absmax clipped to +-s_j and coded as built: the clamp
+without the finer codes), ``clipname:NAME`` (the column scale only on tensors whose name
+holds NAME),
 ``bf16g`` (the groups' absmax stored in bf16, rounded up: ``bf16_up``), ``mcol0`` (with
 ``mcol``: the column scale of the first m, (1 - beta1) g0, kept for the run), ``bf16s`` (the
 column scale stored in bf16, rounded to nearest: the groups' absmax keeps |q| <= 1), ``env``
@@ -202,7 +206,12 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     amax = m.abs().amax(dim=1)
     absmax.copy_(amax)
     q = m / _or_one(amax)[:, None]
-    if _FLAGS.get("mcol") and not (_FLAGS.get("long") and m.shape[1] <= _group()):
+    named = next((k[9:] for k in _FLAGS if k.startswith("clipname:")), None)
+    if _FLAGS.get("mcol") and not (
+        (_FLAGS.get("long") and m.shape[1] <= _group())
+        or (_FLAGS.get("short") and m.shape[1] > _SHORT)
+        or (named is not None and named not in _NAMES.get(key[0], ""))
+    ):
         s = column_scale(m, _shards())
         if _FLAGS.get("bf16s"):
             s = s.to(torch.bfloat16).float()
@@ -213,12 +222,18 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
             # code this step's m under the scale the previous step measured (one pass in a
             # kernel); the groups' absmax below keeps every |q| <= 1
             s, _MCOL_NEXT[key] = _MCOL_NEXT.get(key, s), s
-        _MCOL[key] = s
-        if _FLAGS.get("env"):
+        if _FLAGS.get("cliponly"):
+            # the clamp without the finer codes: m / absmax clipped to +-s_j, coded as built
+            q = torch.maximum(torch.minimum(m / _or_one(amax)[:, None], s[None, :]), -s[None, :])
+            s = None
+        if s is not None:
+            _MCOL[key] = s
+        if s is not None and _FLAGS.get("env"):
             # the row scale over m / s_j, so a frozen column scale clamps no code
             amax = (m.abs() / _or_one(_broadcast(s))).amax(dim=1)
             absmax.copy_(amax)
-        q = m / (_or_one(amax)[:, None] * _or_one(_broadcast(s)))
+        if s is not None:
+            q = m / (_or_one(amax)[:, None] * _or_one(_broadcast(s)))
     if _FLAGS.get("mcolT"):
         # the rank-1 envelope |m_ij| <= r_i s_j from the other side: each column's absmax
         # first, then each row's max over its column-scaled entries (<= 1)
@@ -322,6 +337,8 @@ def _or_one(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 0, x, torch.ones_like(x))
 
 
+_SHORT = 64
+"""``short``: the longest chunk row (block) the column scale is applied to."""
 _MCOL_NEXT: dict[tuple[int, int], torch.Tensor] = {}
 """``stale``: per chunk, the column scale measured on this step's m, used to code the next."""
 _MCOL_FIRST: dict[tuple[int, int], torch.Tensor] = {}
@@ -1148,7 +1165,7 @@ def variant(name: str, watch: bool = False, gates: int = 0):
         gopt.block_update = _triggered2(saved["bu"])
         gopt.column_update = _triggered2(saved["cu"])
         tasks.build = _naming(saved["build"])
-    if any(k.startswith("exact_m:") for k in _FLAGS):
+    if any(k.startswith(("exact_m:", "clipname:")) for k in _FLAGS):
         tasks.build = _naming(saved["build"])
     if {"trig", "trig_b1", "trig_c"} & _FLAGS.keys():
         gopt.block_update = _triggered(saved["bu"])

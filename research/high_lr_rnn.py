@@ -153,6 +153,8 @@ def main() -> None:
     ap.add_argument("--out", default="research/results/high_lr_rnn.jsonl")
     ap.add_argument("--markdown", default="", help="write the table of every record in --out here")
     a = ap.parse_args()
+    if "adamw_clip" in a.optimizers.split(","):
+        from research import adamw_clip  # noqa: F401  (registers the peer)
     done = _load(a.out)
     for lr in [float(x) for x in a.lrs.split(",")]:
         for seed in [int(x) for x in a.seeds.split(",")]:
