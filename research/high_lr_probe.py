@@ -224,15 +224,14 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
             s, _MCOL_NEXT[key] = _MCOL_NEXT.get(key, s), s
         if _FLAGS.get("cliponly"):
             # the clamp without the finer codes: m / absmax clipped to +-s_j, coded as built
-            q = torch.maximum(torch.minimum(m / _or_one(amax)[:, None], s[None, :]), -s[None, :])
-            s = None
-        if s is not None:
+            bound = _broadcast(s)
+            q = torch.maximum(torch.minimum(m / _or_one(amax)[:, None], bound), -bound)
+        else:
             _MCOL[key] = s
-        if s is not None and _FLAGS.get("env"):
-            # the row scale over m / s_j, so a frozen column scale clamps no code
-            amax = (m.abs() / _or_one(_broadcast(s))).amax(dim=1)
-            absmax.copy_(amax)
-        if s is not None:
+            if _FLAGS.get("env"):
+                # the row scale over m / s_j, so a frozen column scale clamps no code
+                amax = (m.abs() / _or_one(_broadcast(s))).amax(dim=1)
+                absmax.copy_(amax)
             q = m / (_or_one(amax)[:, None] * _or_one(_broadcast(s)))
     if _FLAGS.get("mcolT"):
         # the rank-1 envelope |m_ij| <= r_i s_j from the other side: each column's absmax
