@@ -6,7 +6,9 @@ Gefen at 3x AdamW's best lr on lstm by more than its codes cost. Whether it fixe
 Gefen loses or damps any optimizer at a high lr is told by AdamW under the same clip:
 ``adamw_clip`` (fp32 m and v, torch.optim.AdamW's update; after each step every 2-D or larger
 tensor's m, viewed as (rows, row length), clipped so; the step itself moved with the unclipped
-m, as Gefen's does). On lstm every Gefen block is a row, so the clip is the probe's.
+m, as Gefen's does). On lstm, gru_wide and the suite's GRU every Gefen block is a row, so the
+clip is the probe's; on gpt2 three tensors are blocked otherwise (``transformer.wpe`` in blocks
+of two rows, the two ``mlp.c_proj`` in column blocks, which the probe's clip does not reach).
 
     PYTHONPATH=. python research/high_lr_rnn.py --task lstm --lrs 0.1 --optimizers adamw,adamw_clip
 """
