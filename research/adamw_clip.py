@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from gefen_dist.bench import peers
+from research.high_lr_probe import column_scale
 
 
 class ClipAdamW(torch.optim.AdamW):
@@ -32,9 +33,7 @@ class ClipAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p.dim() >= 2 and p not in self._scale:
-                    g = p.grad.reshape(p.shape[0], -1).abs().float()
-                    r = g.amax(dim=1, keepdim=True)
-                    s = (g / torch.where(r > 0, r, torch.ones_like(r))).amax(dim=0)
+                    s = column_scale(p.grad.reshape(p.shape[0], -1).float())
                     # stored as Gefen's probe stores it: bf16, rounded to nearest
                     self._scale[p] = s.to(torch.bfloat16).float()
         loss = super().step(closure)
