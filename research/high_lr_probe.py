@@ -170,6 +170,22 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     else:
         denom = v.sqrt()[:, None] * f[None, :]
     own = sv.sqrt() / h.bc2_sqrt
+    if _FLAGS.get("split") or _FLAGS.get("split_osc") or _FLAGS.get("osc_m"):
+        # the block's v read as a shared noise plus each element's own signal m_hat^2:
+        # v_ij = s_ij (1 - mean m_hat^2 / mean s) + m_hat_ij^2, s_ij the shared estimate
+        s2 = denom.square()
+        mh2 = (m / (1.0 - h.beta1**h.step)).square()
+        keep = 1.0 - mh2.mean(dim=1, keepdim=True) / s2.mean(dim=1, keepdim=True).clamp(min=1e-30)
+        split = (s2 * keep.clamp(min=0.0) + mh2).sqrt()
+        if _FLAGS.get("osc_m"):
+            # the same without the block's noise term: |m_hat| alone as the floor
+            denom = torch.where(m * g32 < 0, torch.maximum(denom, mh2.sqrt()), denom)
+        elif _FLAGS.get("split_osc"):
+            # only where this gradient opposes m (the last steps overshot), and never a
+            # longer step than the shared v's
+            denom = torch.where(m * g32 < 0, torch.maximum(denom, split), denom)
+        else:
+            denom = split
     if _FLAGS.get("elem_v"):
         denom = own.clone()
     if (_FLAGS.get("exact_c") or key in _CELEM) and f is not None:
@@ -226,6 +242,9 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
             # the clamp without the finer codes: m / absmax clipped to +-s_j, coded as built
             bound = _broadcast(s)
             q = torch.maximum(torch.minimum(m / _or_one(amax)[:, None], bound), -bound)
+            if _FLAGS.get("exact_m"):
+                # with m kept exact, the clip acts on the exact m the next step reads
+                _EXACT[key] = q * _or_one(amax)[:, None]
         else:
             _MCOL[key] = s
             if _FLAGS.get("env"):
