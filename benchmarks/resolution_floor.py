@@ -42,50 +42,34 @@ def _zero_gap(levels):
 
 
 def _floored() -> None:
-    """The reference's block and column updates with the resolution floor on the denominator."""
+    """The reference's block and column updates with the resolution floor on the denominator:
+    each update records its blocks' floor (from the absmax the codes were stored at) before it
+    runs, and the denominator takes the larger of its own value and that floor."""
     import torch
 
+    from gefen_dist import optimizer
     from gefen_dist.backends import reference as ref
 
-    def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
-        g32 = g.float()
-        absmax, v = st.absmax[blocks], st.v[blocks]
-        floor = absmax * (_zero_gap(levels) / (1.0 - h.beta1**h.step))
-        m = levels[ref.read_codes(st.codes, a, b, bits).long()].view_as(g32)
-        m.mul_(absmax[:, None])
-        m.lerp_(g32, 1.0 - h.beta1)
-        v.mul_(h.beta2).add_(g32.square().mean(dim=1), alpha=1.0 - h.beta2)
-        p32 = p if p.dtype == torch.float32 else p.float()
-        p32.mul_(1.0 - h.lr * h.weight_decay)
-        if f is None:
-            d = (v.sqrt() / h.bc2_sqrt)[:, None]
-        else:
-            d = v.sqrt()[:, None] * f[None, :]
-        denom = torch.maximum(d, floor[:, None]).add_(h.eps)
-        p32.addcdiv_(m, denom, value=-h.step_size)
-        ref.write_param(p, p32, h.bf16_stochastic_round, h.step, st.start + a)
-        amax = m.abs().amax(dim=1)
-        absmax.copy_(amax)
-        m.div_(torch.where(amax > 0, amax, torch.ones_like(amax))[:, None])
-        codes = ref.requantize(m, st.start + a, h.step, levels, mids, bits)
-        ref.write_codes(st.codes, a, b, codes, bits)
-
-    column_update, row_denominator = ref.column_update, ref._row_denominator
+    update_blocks, column_update = ref._update_blocks, ref.column_update
+    denominator = ref.overshoot_denominator
     held = {}
 
+    def blocks(p, g, st, a, b, rows, h, levels, mids, bits, f) -> None:
+        floor = st.absmax[rows] * (_zero_gap(levels) / (1.0 - h.beta1**h.step))
+        held["floor"] = lambda shape: floor[:, None]
+        update_blocks(p, g, st, a, b, rows, h, levels, mids, bits, f)
+
     def column(p, g, st, h, levels, mids, bits, factor=None):
-        held["floor"] = st.absmax * (_zero_gap(levels) / (1.0 - h.beta1**h.step))
+        floor = st.absmax * (_zero_gap(levels) / (1.0 - h.beta1**h.step))
+        held["floor"] = lambda shape: floor[None, : shape[1]]
         column_update(p, g, st, h, levels, mids, bits, factor)
 
-    def rows(sqrt_v, f, first, n, period, h):
-        d = row_denominator(sqrt_v, f, first, n, period, h).sub_(h.eps)
-        return torch.maximum(d, held["floor"][None, : sqrt_v.numel()]).add_(h.eps)
+    def floored(shared, m, g, keep, h):
+        return torch.maximum(denominator(shared, m, g, keep, h), held["floor"](shared.shape))
 
-    ref._update_blocks = _update_blocks
+    ref._update_blocks = blocks
     ref.column_update = column
-    ref._row_denominator = rows
-    from gefen_dist import optimizer
-
+    ref.overshoot_denominator = floored
     optimizer.column_update = column
 
 

@@ -1,12 +1,15 @@
 // Gefen's update on the CPU: every segment of a step in one call, blocks spread over OpenMP
 // threads.
 //
-// The arithmetic is gefen_dist/reference.py's, in its fp32 order of operations, with two
-// stated differences: the block mean of g^2 is accumulated in double (torch sums fp32 in its own
-// order), and nothing else is reordered (built without -ffast-math and with -ffp-contract=off,
-// so no FMA changes a rounding). Per block: one read of g for v, one pass that moves the
-// parameter and finds the new absmax, one pass that writes the codes; no temporaries. The loops
-// run on typed restrict pointers with lerp's branch hoisted, so GCC vectorises them (AVX2 here).
+// The arithmetic is gefen_dist/reference.py's, in its fp32 order of operations, with stated
+// differences: the block mean of g^2 is accumulated in double (torch sums fp32 in its own
+// order), the overshoot rule's means in orders of their own (m^2 in fp32, the factor's square
+// in double), and nothing else is reordered (built without -ffast-math and with
+// -ffp-contract=off, so no FMA changes a rounding; -fno-math-errno only lets a loop's sqrt
+// vectorise). Per block: one read of g for v, one pass that folds m and finds the new absmax and
+// the sum of m^2, one that moves the parameter (the block still in cache), one pass that writes
+// the codes; no temporaries. The loops run on typed restrict pointers with lerp's branch
+// hoisted, so GCC vectorises them (AVX2 here).
 //
 // Plain C ABI (loaded with ctypes by gefen_dist/native_cpu.py), so the library builds in a
 // second with the system compiler and does not depend on torch's C++ ABI.
@@ -38,7 +41,7 @@
 #define GEFEN_META(X)                                                                      \
   X(P) X(G) X(CODES) X(ABSMAX) X(V) X(LEVELS) X(MIDS) X(START) X(NUMEL) X(BLOCK) X(BITS)  \
   X(P_DTYPE) X(G_DTYPE) X(EXP_AVG) X(EXP_AVG_SQ) X(N_LEVELS) X(STEP_KEY) X(FACTOR) X(V_CROSS)
-#define GEFEN_HYP(X) X(BETA1) X(W) X(BETA2) X(A2) X(DECAY) X(NEG_STEP) X(BC2) X(EPS)
+#define GEFEN_HYP(X) X(BETA1) X(W) X(BETA2) X(A2) X(DECAY) X(NEG_STEP) X(BC2) X(EPS) X(BC1)
 #define GEFEN_CROSS(X)                                                                     \
   X(G) X(G_DTYPE) X(START) X(NUMEL) X(BLOCK) X(LENGTH) X(V) X(SUMS) X(COUNTS) X(V_CROSS)  \
   X(OUT) X(PART) X(CHUNKS)
@@ -66,7 +69,7 @@ namespace {
 using namespace DType;
 
 struct Hyper {
-  float beta1, w, beta2, a2, decay, neg_step, bc2, eps;
+  float beta1, w, beta2, a2, decay, neg_step, bc2, eps, bc1;
 };
 
 inline float bf16_to_f32(uint16_t h) {
@@ -650,41 +653,84 @@ inline void requantize_range(const float* __restrict buf, const float* __restric
   }
 }
 
-// m = lerp(level * old, g), the parameter step and max |m| of one block's n elements; the
-// denominator is ``denom``, or sqrt(v) * fac[i] + eps with kFac (reference.cross_factor)
-template <int PT, int GT, bool kLow, bool kFac>
-inline float move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
-                  const typename Elem<GT>::T* __restrict g, int64_t n, float old, float denom,
-                  float sv, const float* __restrict fac, const Hyper& h, int64_t first,
-                  uint32_t pk) {
+// reference.block_keep: the share of a block's (or column's) v that is noise, 1 - mean(m_hat^2) /
+// mean(s^2) clamped to [0, 1]; 0 where mean(s^2) is not above 0
+inline float block_keep(float mean_m2, float mean_s2) {
+  return mean_s2 > 0.0f ? std::max(0.0f, 1.0f - mean_m2 / mean_s2) : 0.0f;
+}
+
+// 1 / (1 - beta1^t)^2, which turns m^2 into m_hat^2: in double, from the row's fp32 1 - beta1^t
+// (the reference's from its double; an ulp apart)
+inline double inv_bc1_sq(const Hyper& h) {
+  const double bc1 = h.bc1;
+  return 1.0 / (bc1 * bc1);
+}
+
+// The mean of f^2 over n factor entries (fp64 sum)
+inline float mean_sq(const float* f, int64_t n) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(f[i]) * f[i];
+  return static_cast<float>(s / static_cast<double>(n));
+}
+
+// reference.overshoot_denominator plus eps, for one element of shared denominator s: s, and where
+// this step's g opposes m, at least sqrt(s^2 keep + m^2 ib2). The split and the max are taken on
+// every lane and the sign test only picks, so the loops around it vectorise: a max taken only
+// where the test holds is a conditional compare, which GCC will not speculate (it may trap), and
+// that kept them scalar. (The square root vectorises because the build has -fno-math-errno.)
+inline float overshoot(float s, float m, float g, float keep, float ib2, float eps) {
+  const float split = std::sqrt(s * s * keep + ib2 * m * m);
+  const float wide = std::max(s, split);
+  return (g * m < 0.0f ? wide : s) + eps;
+}
+
+// A block's loop 1: m = lerp(level * old, g) of its n elements, the levels read from buf and m
+// written back; returns max |m| and adds the fp32 sum of m^2 into ``m2``
+template <int GT, bool kLow>
+inline float first_moment(float* __restrict buf, const typename Elem<GT>::T* __restrict g,
+                          int64_t n, float old, const Hyper& h, float& m2) {
   const float w1 = 1.0f - h.w;
-  float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
+  float amax = 0.0f, sq = 0.0f;
+#pragma omp simd reduction(max : amax) reduction(+ : sq)
   for (int64_t i = 0; i < n; ++i) {
     const float m = lerp<kLow>(buf[i] * old, Elem<GT>::get(g[i]), h.w, w1);
     buf[i] = m;
-    const float pi = Elem<PT>::get(p[i]) * h.decay;
-    const float d = kFac ? sv * fac[i] + h.eps : denom;
-    p[i] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + i), pk);
     amax = std::max(amax, std::fabs(m));
+    sq += m * m;
   }
+  m2 += sq;
   return amax;
 }
 
+// Loop 2: the parameter step of n elements from m in buf, with ``overshoot``'s denominator for
+// s = ``s``, or s * fac[i] with kFac (reference.cross_factor; ``s`` is then sqrt(v))
+template <int PT, int GT, bool kFac>
+inline void move(const float* __restrict buf, typename Elem<PT>::T* __restrict p,
+                 const typename Elem<GT>::T* __restrict g, int64_t n, float s,
+                 const float* __restrict fac, float keep, float ib2, const Hyper& h,
+                 int64_t first, uint32_t pk) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float m = buf[i];
+    const float pi = Elem<PT>::get(p[i]) * h.decay;
+    const float d = overshoot(kFac ? s * fac[i] : s, m, Elem<GT>::get(g[i]), keep, ib2, h.eps);
+    p[i] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + i), pk);
+  }
+}
+
 #ifdef __AVX512F__
-// move() for fp32 p and g and 4-bit codes from an even element, decoding in the loop (decode's
-// permute) so the levels never pass through buf; the same operations in the same order. The
-// elements past the last sixteen go through decode and move.
-template <bool kLow, bool kFac>
-inline float move4(float* __restrict buf, float* __restrict p, const float* __restrict g,
-                   const uint8_t* __restrict codes, int64_t n, float old, float denom, float sv,
-                   const float* __restrict fac, const Hyper& h, const Levels4& l4) {
+// first_moment() for fp32 g and 4-bit codes from an even element, decoding in the loop (decode's
+// permute) so the levels never pass through buf; the same operations in the same order, m^2
+// summed in sixteen lanes. The elements past the last sixteen go through decode and
+// first_moment.
+template <bool kLow>
+inline float first_moment4(float* __restrict buf, const float* __restrict g,
+                           const uint8_t* __restrict codes, int64_t n, float old, const Hyper& h,
+                           const Levels4& l4, float& m2) {
   const __m512 lv16 = _mm512_loadu_ps(l4.lv);
   const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
   const __m512 vold = _mm512_set1_ps(old), w = _mm512_set1_ps(h.w), w1 = _mm512_set1_ps(1.0f - h.w);
-  const __m512 decay = _mm512_set1_ps(h.decay), neg = _mm512_set1_ps(h.neg_step);
-  const __m512 eps = _mm512_set1_ps(h.eps), vsv = _mm512_set1_ps(sv), vden = _mm512_set1_ps(denom);
-  __m512 amax = _mm512_setzero_ps();
+  __m512 amax = _mm512_setzero_ps(), sq = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2));
@@ -694,40 +740,53 @@ inline float move4(float* __restrict buf, float* __restrict p, const float* __re
     const __m512 m = kLow ? _mm512_add_ps(start, _mm512_mul_ps(w, diff))
                           : _mm512_sub_ps(end, _mm512_mul_ps(diff, w1));
     _mm512_storeu_ps(buf + i, m);
-    const __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);
-    const __m512 d = kFac ? _mm512_add_ps(_mm512_mul_ps(vsv, _mm512_loadu_ps(fac + i)), eps) : vden;
-    _mm512_storeu_ps(p + i, _mm512_add_ps(pi, _mm512_mul_ps(neg, _mm512_div_ps(m, d))));
     amax = _mm512_max_ps(_mm512_abs_ps(m), amax);
+    sq = _mm512_add_ps(sq, _mm512_mul_ps(m, m));
   }
   float a = _mm512_reduce_max_ps(amax);
+  m2 += _mm512_reduce_add_ps(sq);
   if (i < n) {
     decode(codes, i, n, true, l4.lv, &l4, buf + i);
-    a = std::max(a, move<F32, F32, kLow, kFac>(buf + i, p + i, g + i, n - i, old, denom, sv,
-                                               kFac ? fac + i : nullptr, h, 0, 0));
+    a = std::max(a, first_moment<F32, kLow>(buf + i, g + i, n - i, old, h, m2));
   }
   return a;
 }
 #endif
 
-// A block's m, parameter step and max |m| from its codes (decode, then move; move4 where it can)
+// A block's m, parameter step and max |m| from its codes, in two loops over the block (in cache
+// for the second): loop 1 (decode, then first_moment; first_moment4 where it can) leaves m in
+// buf with max |m| and the sum of m^2, from which the block's keep (reference.block_keep) comes
+// before any element steps; loop 2 (move) steps the parameter. ``s``: sqrt(v) / bc2, or with
+// kFac sqrt(v), which the factor ``fac`` completes (``fac_sq``: its mean square over the
+// block's elements).
 template <int PT, int GT, bool kFac>
 inline float update(float* buf, typename Elem<PT>::T* p, const typename Elem<GT>::T* g,
                     const uint8_t* codes, int64_t lo, int64_t hi, bool four, const float* levels,
-                    const Levels4* l4, float old, float denom, float sv, const float* fac,
+                    const Levels4* l4, float old, float s, const float* fac, float fac_sq,
                     const Hyper& h, const Levels8* l8, int64_t first, uint32_t pk) {
   const int64_t n = hi - lo;
+  float m2 = 0.0f, amax = 0.0f;
+  bool done = false;
 #ifdef __AVX512F__
-  if constexpr (PT == F32 && GT == F32) {
+  if constexpr (GT == F32) {
     if (four && !(lo & 1)) {
       const uint8_t* c = codes + lo / 2;
-      return h.w < 0.5f ? move4<true, kFac>(buf, p, g, c, n, old, denom, sv, fac, h, *l4)
-                        : move4<false, kFac>(buf, p, g, c, n, old, denom, sv, fac, h, *l4);
+      amax = h.w < 0.5f ? first_moment4<true>(buf, g, c, n, old, h, *l4, m2)
+                        : first_moment4<false>(buf, g, c, n, old, h, *l4, m2);
+      done = true;
     }
   }
 #endif
-  decode(codes, lo, hi, four, levels, l4, buf, l8);
-  return h.w < 0.5f ? move<PT, GT, true, kFac>(buf, p, g, n, old, denom, sv, fac, h, first, pk)
-                    : move<PT, GT, false, kFac>(buf, p, g, n, old, denom, sv, fac, h, first, pk);
+  if (!done) {
+    decode(codes, lo, hi, four, levels, l4, buf, l8);
+    amax = h.w < 0.5f ? first_moment<GT, true>(buf, g, n, old, h, m2)
+                      : first_moment<GT, false>(buf, g, n, old, h, m2);
+  }
+  const double ib2 = inv_bc1_sq(h);
+  const float mean_m2 = static_cast<float>(m2 / static_cast<double>(n) * ib2);
+  const float keep = block_keep(mean_m2, kFac ? s * s * fac_sq : s * s);
+  move<PT, GT, kFac>(buf, p, g, n, s, fac, keep, static_cast<float>(ib2), h, first, pk);
+  return amax;
 }
 
 // reference.cross_factor's c from fp32 v_cross ``v`` (``n`` entries) into ``out`` as sqrt(max(v /
@@ -824,6 +883,7 @@ struct Segment {
   struct Sums* sums;  // this step's v_cross sums, taken in the update (contiguous blocks)
   float* fold;        // column blocks: the v_cross columns() folds the rows' sums into
   uint32_t pkey = 0;  // param_key(key): the parameter write's draws (BF16_SR)
+  float fac_sq = 0.0f;  // contiguous blocks with ``fac``: the mean of fac^2 over a whole block
   // row block j's elements [lo, hi) of the piece; empty past its last block
   int64_t lo(int64_t j) const {
     return std::min(std::max((start / block + j) * block, start) - start, numel);
@@ -863,14 +923,15 @@ float block_move(const Segment& b, int64_t j, float* buf) {
     b.v[j] = vj;
   }
   const float sv = std::sqrt(vj);
-  const float denom = sv / h.bc2 + h.eps;
   const float old = b.absmax[j];
   const float* f = b.fac ? b.fac + (b.start + lo) % b.block : nullptr;
+  // a piece's first and last blocks may be partial: their own mean of f^2
   const float amax =
-      b.fac ? update<PT, GT, true>(buf, pb, gb, b.codes, lo, hi, b.four, b.levels, b.l4, old,
-                                   denom, sv, f, h, b.l8, b.start + lo, b.pkey)
+      b.fac ? update<PT, GT, true>(buf, pb, gb, b.codes, lo, hi, b.four, b.levels, b.l4, old, sv,
+                                   f, n == b.block ? b.fac_sq : mean_sq(f, n), h, b.l8,
+                                   b.start + lo, b.pkey)
             : update<PT, GT, false>(buf, pb, gb, b.codes, lo, hi, b.four, b.levels, b.l4, old,
-                                    denom, sv, f, h, b.l8, b.start + lo, b.pkey);
+                                    sv / h.bc2, f, 0.0f, h, b.l8, b.start + lo, b.pkey);
   b.absmax[j] = amax;
   return amax > 0.0f ? amax : 1.0f;
 }
@@ -905,13 +966,14 @@ void block_run(const Segment& b, int64_t j0, int64_t j1, float* buf, float* othe
   }
 }
 
-// One row of a column segment, pass 1: g^2 into the column sums (double; its own loop, as the
-// mixed-width loop did not vectorise) and |m| into the column maxima; with kRow, returns the
-// row's own sum of g^2 (its v_cross entry's)
+// One row of a column segment, pass 1: g^2 into the column sums ``s`` (double; its own loop, as
+// the mixed-width loop did not vectorise), |m| into the column maxima and m^2 into the column
+// sums ``s2`` (fp32: a chunk's rows; the chunks add in double); with kRow, returns the row's own
+// sum of g^2 (its v_cross entry's)
 template <int GT, bool kLow, bool kRow>
 inline double column_stats(const float* __restrict buf, const typename Elem<GT>::T* __restrict g,
                            const float* __restrict absmax, double* __restrict s,
-                           float* __restrict mx, int64_t n, float w) {
+                           float* __restrict s2, float* __restrict mx, int64_t n, float w) {
   double row = 0.0;
 #pragma omp simd reduction(+ : row)
   for (int64_t k = 0; k < n; ++k) {
@@ -922,38 +984,43 @@ inline double column_stats(const float* __restrict buf, const typename Elem<GT>:
   const float w1 = 1.0f - w;
 #pragma omp simd
   for (int64_t k = 0; k < n; ++k) {
-    const float a = std::fabs(lerp<kLow>(buf[k] * absmax[k], Elem<GT>::get(g[k]), w, w1));
+    const float m = lerp<kLow>(buf[k] * absmax[k], Elem<GT>::get(g[k]), w, w1);
+    const float a = std::fabs(m);
     const float cur = mx[k];
     mx[k] = cur < a ? a : cur;  // std::max on the array element kept GCC from vectorising
+    s2[k] += m * m;
   }
   return row;
 }
 
-// Pass 2: the same m again, into buf, and the parameter step with each column's denominator
-// (with kFac, ``denom`` holds sqrt(v) per column and the row's factor ``fr`` completes it)
+// Pass 2: the same m again, into buf, and the parameter step with ``overshoot``'s denominator
+// for each column's s and keep: s = col[k] (sqrt(v) / bc2), or with kFac col[k] * fr (``col``
+// holds sqrt(v) per column and the row's factor ``fr`` completes it)
 template <int PT, int GT, bool kLow, bool kFac>
 inline void column_move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
                         const typename Elem<GT>::T* __restrict g, const float* __restrict absmax,
-                        const float* __restrict denom, float fr, int64_t n, const Hyper& h,
-                        int64_t first, uint32_t pk) {
+                        const float* __restrict col, const float* __restrict keep, float fr,
+                        float ib2, int64_t n, const Hyper& h, int64_t first, uint32_t pk) {
   const float w1 = 1.0f - h.w;
 #pragma omp simd
   for (int64_t k = 0; k < n; ++k) {
-    const float m = lerp<kLow>(buf[k] * absmax[k], Elem<GT>::get(g[k]), h.w, w1);
+    const float gk = Elem<GT>::get(g[k]);
+    const float m = lerp<kLow>(buf[k] * absmax[k], gk, h.w, w1);
     buf[k] = m;
     const float pi = Elem<PT>::get(p[k]) * h.decay;
-    const float d = kFac ? denom[k] * fr + h.eps : denom[k];
+    const float d = overshoot(kFac ? col[k] * fr : col[k], m, gk, keep[k], ib2, h.eps);
     p[k] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + k), pk);
   }
 }
 
 // Column segments (block size -P): block k holds the segment's elements i = k mod P, so the
 // blocks run across the rows of the (rows, P) view. Both passes go along rows (contiguous, with
-// per-column arrays that vectorise) over fixed chunks of rows: pass 1 sums g^2 (double) and
-// finds the new |m| maxima per chunk, their fixed-order reduction gives v, the denominators and
-// the new absmax, pass 2 recomputes m, moves the parameter and writes the codes. Chunks depend
-// on the shape, not the thread count, so results are the same on any number of threads; at 4
-// bits with odd P a chunk holds an even number of rows, so no byte straddles two chunks.
+// per-column arrays that vectorise) over fixed chunks of rows: pass 1 sums g^2 and m^2 (double)
+// and finds the new |m| maxima per chunk, their fixed-order reduction gives v, the denominators,
+// each column's keep (reference.block_keep) and the new absmax, pass 2 recomputes m, moves the
+// parameter and writes the codes. Chunks depend on the shape, not the thread count, so results
+// are the same on any number of threads; at 4 bits with odd P a chunk holds an even number of
+// rows, so no byte straddles two chunks.
 template <int PT, int GT>
 void columns(const Segment& sg, int threads) {
   auto* pt = static_cast<typename Elem<PT>::T*>(sg.p);
@@ -966,15 +1033,15 @@ void columns(const Segment& sg, int threads) {
   const uint32_t pk = sg.pkey;
   const int64_t nb = std::min(numel, period);
   const int64_t rows = (numel + period - 1) / period;
-  // at most 64 chunks and 16 MiB of partial sums and maxima (12 bytes per column and chunk)
-  const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(64, (16 << 20) / (12 * nb)));
+  // at most 64 chunks and 16 MiB of partial sums and maxima (16 bytes per column and chunk)
+  const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>(64, (16 << 20) / (16 * nb)));
   // and at least 32 rows each: the fixed-order reduction reads every chunk's partials once, which
   // with a few rows per chunk cost as much as the rows themselves
   int64_t per = std::max<int64_t>(32, (rows + max_chunks - 1) / max_chunks);
   if (four && (period & 1) && (per & 1)) ++per;
   const int64_t chunks = (rows + per - 1) / per;
   std::vector<double> sums(chunks * nb, 0.0);
-  std::vector<float> maxes(chunks * nb, 0.0f);
+  std::vector<float> sums_m2(chunks * nb, 0.0f), maxes(chunks * nb, 0.0f);
   // with ``fold`` (a tensor held whole: its rows are the view's), each row's sum of g^2
   std::vector<double> row_sums(sg.fold ? rows : 0);
 #pragma omp parallel num_threads(std::max(threads, 1)) if (threads > 1 && chunks > 1)
@@ -983,19 +1050,20 @@ void columns(const Segment& sg, int threads) {
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
       double* s = sums.data() + c * nb;
+      float* s2 = sums_m2.data() + c * nb;
       float* mx = maxes.data() + c * nb;
       for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
-        const int64_t lo = r * period, hi = std::min(lo + period, numel);
+        const int64_t lo = r * period, hi = std::min(lo + period, numel), w = hi - lo;
         decode(sg.codes, lo, hi, four, sg.levels, sg.l4, buf.data(), sg.l8);
         const float* b = buf.data();
         if (sg.fold)
           row_sums[r] =
-              h.w < 0.5f ? column_stats<GT, true, true>(b, gt + lo, absmax, s, mx, hi - lo, h.w)
-                         : column_stats<GT, false, true>(b, gt + lo, absmax, s, mx, hi - lo, h.w);
+              h.w < 0.5f ? column_stats<GT, true, true>(b, gt + lo, absmax, s, s2, mx, w, h.w)
+                         : column_stats<GT, false, true>(b, gt + lo, absmax, s, s2, mx, w, h.w);
         else if (h.w < 0.5f)
-          column_stats<GT, true, false>(b, gt + lo, absmax, s, mx, hi - lo, h.w);
+          column_stats<GT, true, false>(b, gt + lo, absmax, s, s2, mx, w, h.w);
         else
-          column_stats<GT, false, false>(b, gt + lo, absmax, s, mx, hi - lo, h.w);
+          column_stats<GT, false, false>(b, gt + lo, absmax, s, s2, mx, w, h.w);
       }
     }
   }
@@ -1005,22 +1073,44 @@ void columns(const Segment& sg, int threads) {
       counts[r] = static_cast<double>(std::min(period, numel - r * period));
     fold_cross(row_sums.data(), counts.data(), rows, sg.fold, h.beta2, h.a2);
   }
-  std::vector<float> denom(nb), amax(nb), scale(nb);
+  // With the factor, a column's mean of f^2 (its keep's): the factor is per tensor row, and
+  // column k's elements lie in the count rows of the view from the piece's first tensor row r0
+  // on, or from r0 + 1 for columns from ``cut`` on (a piece that starts mid-row). Over the full
+  // rows that is one of two sums (``sq_full``), plus the last, partial row's entry where column k
+  // reaches it.
+  const int64_t full = numel / period, cut = period - start % period, r0 = start / period;
+  auto sq = [&](int64_t row) { return static_cast<double>(fac[row]) * fac[row]; };
+  double sq_full[2] = {0.0, 0.0};
+  for (int t = 0; fac && t < 2 && (t == 0 || cut < nb); ++t)
+    for (int64_t r = 0; r < full; ++r) sq_full[t] += sq(r0 + t + r);
+  const double ib2 = inv_bc1_sq(h);
+  std::vector<float> col(nb), keep(nb), amax(nb), scale(nb);
   for (int64_t k = 0; k < nb; ++k) {
-    double total = 0.0;
+    double total = 0.0, total_m2 = 0.0;
     float mx = 0.0f;
     for (int64_t c = 0; c < chunks; ++c) {
       total += sums[c * nb + k];
+      total_m2 += sums_m2[c * nb + k];
       mx = std::max(mx, maxes[c * nb + k]);
     }
-    const int64_t count = numel / period + (k < numel % period ? 1 : 0);
+    const int64_t count = full + (k < numel % period ? 1 : 0);
     const float vk = ema_mean_sq(sg.v[k], total, static_cast<double>(count), h.beta2, h.a2);
     sg.v[k] = vk;
     const float sv = std::sqrt(vk);
-    denom[k] = fac ? sv : sv / h.bc2 + h.eps;
+    const float mean_m2 = static_cast<float>(total_m2 / static_cast<double>(count) * ib2);
+    if (fac) {
+      const int t = k >= cut ? 1 : 0;
+      const double f2 = sq_full[t] + (count > full ? sq(r0 + t + full) : 0.0);
+      col[k] = sv;
+      keep[k] = block_keep(mean_m2, sv * sv * static_cast<float>(f2 / static_cast<double>(count)));
+    } else {
+      col[k] = sv / h.bc2;
+      keep[k] = block_keep(mean_m2, col[k] * col[k]);
+    }
     amax[k] = mx;
     scale[k] = mx > 0.0f ? mx : 1.0f;
   }
+  const float ib2f = static_cast<float>(ib2);
 #pragma omp parallel num_threads(std::max(threads, 1)) if (threads > 1 && chunks > 1)
   {
     std::vector<float> buf(nb);
@@ -1030,29 +1120,31 @@ void columns(const Segment& sg, int threads) {
       for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
         const int64_t lo = r * period, hi = std::min(lo + period, numel), w = hi - lo;
         decode(sg.codes, lo, hi, four, sg.levels, sg.l4, buf.data(), sg.l8);
-        const float* d = denom.data();
+        const float *d = col.data(), *kp = keep.data();
         if (fac) {
           // the factor is per tensor row: a piece that starts mid-row (start % period != 0) has
           // each row of its view straddle two tensor rows, from column ``cut`` on the next one
-          const int64_t tr = (start + lo) / period, cut = std::min(w, period - start % period);
+          const int64_t tr = (start + lo) / period, cw = std::min(w, cut);
           float* b = buf.data();
-          const float f0 = fac[tr], f1 = cut < w ? fac[tr + 1] : 0.0f;
+          const float f0 = fac[tr], f1 = cw < w ? fac[tr + 1] : 0.0f;
           const int64_t e = start + lo;
           if (h.w < 0.5f) {
-            column_move<PT, GT, true, true>(b, pt + lo, gt + lo, absmax, d, f0, cut, h, e, pk);
-            column_move<PT, GT, true, true>(b + cut, pt + lo + cut, gt + lo + cut, absmax + cut,
-                                            d + cut, f1, w - cut, h, e + cut, pk);
+            column_move<PT, GT, true, true>(b, pt + lo, gt + lo, absmax, d, kp, f0, ib2f, cw, h,
+                                            e, pk);
+            column_move<PT, GT, true, true>(b + cw, pt + lo + cw, gt + lo + cw, absmax + cw,
+                                            d + cw, kp + cw, f1, ib2f, w - cw, h, e + cw, pk);
           } else {
-            column_move<PT, GT, false, true>(b, pt + lo, gt + lo, absmax, d, f0, cut, h, e, pk);
-            column_move<PT, GT, false, true>(b + cut, pt + lo + cut, gt + lo + cut, absmax + cut,
-                                             d + cut, f1, w - cut, h, e + cut, pk);
+            column_move<PT, GT, false, true>(b, pt + lo, gt + lo, absmax, d, kp, f0, ib2f, cw, h,
+                                             e, pk);
+            column_move<PT, GT, false, true>(b + cw, pt + lo + cw, gt + lo + cw, absmax + cw,
+                                             d + cw, kp + cw, f1, ib2f, w - cw, h, e + cw, pk);
           }
         } else if (h.w < 0.5f)
-          column_move<PT, GT, true, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h,
-                                           start + lo, pk);
+          column_move<PT, GT, true, false>(buf.data(), pt + lo, gt + lo, absmax, d, kp, 0.0f,
+                                           ib2f, w, h, start + lo, pk);
         else
-          column_move<PT, GT, false, false>(buf.data(), pt + lo, gt + lo, absmax, d, 0.0f, w, h,
-                                            start + lo, pk);
+          column_move<PT, GT, false, false>(buf.data(), pt + lo, gt + lo, absmax, d, kp, 0.0f,
+                                            ib2f, w, h, start + lo, pk);
         const int64_t next = std::min(period, numel - hi);  // the next row's elements
         requantize_range<true>(buf.data(), scale.data(), 1.0f, w, four, sg.l8, start + lo,
                                sg.key, idx.data(), Prefetch(pt + hi, gt + hi, next), sg.l4);
@@ -1106,6 +1198,7 @@ static_assert(offsetof(Hyper, decay) == Hyp::DECAY * sizeof(float), "Hyp::DECAY"
 static_assert(offsetof(Hyper, neg_step) == Hyp::NEG_STEP * sizeof(float), "Hyp::NEG_STEP");
 static_assert(offsetof(Hyper, bc2) == Hyp::BC2 * sizeof(float), "Hyp::BC2");
 static_assert(offsetof(Hyper, eps) == Hyp::EPS * sizeof(float), "Hyp::EPS");
+static_assert(offsetof(Hyper, bc1) == Hyp::BC1 * sizeof(float), "Hyp::BC1");
 constexpr int64_t kDenseTile = 16384;
 
 using BlockFn = void (*)(const Segment&, int64_t, int64_t, float*, float*, int32_t*);
@@ -1381,8 +1474,8 @@ void gefen_cpu_count_steps(const int64_t* addrs, int n, float* out) {
 }
 
 // One step over a segment table: ``meta`` (n_seg x Meta::kCols int64, the columns of Meta), ``hyp``
-// (n_seg x 8 fp32: beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t),
-// sqrt(1 - beta2^t), eps), ``v_done`` (n_seg flags, or null: 1 where gefen_cpu_cross_sums has
+// (n_seg x Hyp::kCols fp32: beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * wd, -lr / (1 - beta1^t),
+// sqrt(1 - beta2^t), eps, 1 - beta1^t), ``v_done`` (n_seg flags, or null: 1 where gefen_cpu_cross_sums has
 // folded this step's g^2 into the segment's v, contiguous blocks only). Blocks and dense tiles of
 // every segment share the threads. A row with Meta::V_CROSS (a tensor held whole, B != 1, and a
 // Meta::FACTOR buffer of its v_cross entries) gets its factor from v_cross as the steps before left
@@ -1466,6 +1559,8 @@ int gefen_cpu_step(const int64_t* meta, const float* hyp, const uint8_t* v_done,
                       floor_c, out);
     }
   }
+  for (auto& r : prep)  // every factor is known now: a whole block's mean of f^2 (block_keep's)
+    if (r.b.fac && r.b.block > 1 && r.b.numel > 0) r.b.fac_sq = mean_sq(r.b.fac, r.b.block);
   for (int s = 0; s < n_seg; ++s) {  // column segments run after the others, each with all threads
     const Segment& b = prep[s].b;
     if (b.numel == 0 || b.block < 0) continue;

@@ -747,3 +747,66 @@ def test_a_refused_fused_row_writes_nothing():
     with pytest.raises(RuntimeError, match="refused a segment"):
         t.run()
     assert not ps[0].any() and not good.v_cross.any() and not good.v.any()
+
+
+def _turn_state(start, numel, block, bits):
+    """A piece's state without v_cross (the factor, where any, is given)."""
+    from gefen_dist.backends import reference
+    from gefen_dist.method.segments import num_blocks
+
+    blocks = num_blocks(start, numel, block)
+    return reference.SegmentState(
+        start,
+        numel,
+        block,
+        codes=torch.zeros(-(-numel // 2) if bits == 4 else numel, dtype=torch.uint8),
+        absmax=torch.zeros(blocks),
+        v=torch.zeros(blocks),
+    )
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("factored", [False, True], ids=["shared", "factored"])
+@pytest.mark.parametrize("block", [96, -96], ids=["blocks", "columns"])
+def test_cpp_takes_the_overshoot_rule_where_the_gradient_turns(block, factored, bits, monkeypatch):
+    """Four steps on one gradient, then its negative: at the fifth, g opposes m nearly
+    everywhere, and where an element's m_hat^2 outgrows its share of the block's v the
+    reference's denominator grows (``overshoot_denominator``). The kernel must take the
+    reference's step each time, from the reference's state, on a piece that starts mid-block
+    (mid-row) and ends in a partial one, with the factor given or none; and at the fifth step
+    over a tenth of the elements must move otherwise than with the rule-free denominator, so
+    a kernel without the rule fails."""
+    from gefen_dist.backends import native_cpu, reference
+
+    levels = torch.sort(torch.cat([torch.tensor([-1.0, 1.0]), torch.rand(2**bits - 2) * 2 - 1]))[0]
+    mids = midpoints(levels)
+    start, numel, period = 37, 96 * 40 + 17, abs(block)
+    gen = torch.Generator().manual_seed(7)
+    p0 = torch.randn(numel, generator=gen)
+    length = period if block > 0 else -(-(start + numel) // period)
+    f = torch.exp(torch.randn(length, generator=gen)) if factored else None
+    g0 = torch.randn(numel, generator=gen) * torch.exp(torch.randn(numel, generator=gen))
+    st, twin = _turn_state(start, numel, block, bits), _turn_state(start, numel, block, bits)
+    update = reference.block_update if block > 0 else reference.column_update
+    pr, pn = p0.clone(), p0.clone()
+    changed = []
+    for t in range(1, 6):
+        g = g0 if t < 5 else -g0
+        h = reference.Hyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=t)
+        pn.copy_(pr)
+        for name in ("codes", "absmax", "v"):
+            getattr(twin, name).copy_(getattr(st, name))
+        free, p_free = _turn_state(start, numel, block, bits), pr.clone()
+        for name in ("codes", "absmax", "v"):
+            getattr(free, name).copy_(getattr(st, name))
+        update(pr, g, st, h, levels, mids, bits, f)
+        native_cpu.step([SegmentWork(pn, g, twin, h, levels, mids, bits, f)])
+        torch.testing.assert_close(twin.v, st.v, rtol=2e-6, atol=0)
+        torch.testing.assert_close(twin.absmax, st.absmax, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(pn, pr, rtol=1e-6, atol=1e-7)
+        with monkeypatch.context() as mp:
+            mp.setattr(reference, "overshoot_denominator", lambda shared, *_: shared.clone())
+            update(p_free, g, free, h, levels, mids, bits, f)
+        changed.append((~torch.isclose(pn, p_free, rtol=1e-6, atol=1e-7)).float().mean())
+    # before the turn only elements whose stored m lost its sign (4-bit rounding) take the rule
+    assert changed[-1] > 0.1 and changed[-1] > max(changed[:-1]), changed

@@ -88,7 +88,7 @@ def test_resolution_floor_only_shortens_steps(monkeypatch, blocks):
             for mod, name in (
                 (reference, "_update_blocks"),
                 (reference, "column_update"),
-                (reference, "_row_denominator"),
+                (reference, "overshoot_denominator"),
                 (optimizer, "column_update"),
             ):
                 monkeypatch.setattr(mod, name, getattr(mod, name))

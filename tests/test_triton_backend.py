@@ -7,10 +7,11 @@ rounded, so bit equality with it is not to be had. And ``Twin`` below, an IEEE e
 numpy of the kernels' own fp32 order of operations (the CUDA C++ kernels'), which they must equal
 bit for bit: parameters, v, absmax, codes, bf16 m and v, v_cross and the factors. Each layout
 steps several times from the reference's own state (the self-check's way), and runs free for
-several steps; the rest: several tensors cut like FSDP shards in one call, the factor pass with
-``dest`` and ``factors``, determinism and resumption, the hash against ``codes.hash_bits``, no
-new compiled variant over an lr schedule, and (in a subprocess, without the interpreter) a
-compile of every kernel for sm_90 whose PTX must hold no FMA, approximate division or sqrt.
+several steps, and a gradient that turns shows the overshoot rule at work; the rest: several
+tensors cut like FSDP shards in one call, the factor pass with ``dest`` and ``factors``,
+determinism and resumption, the hash against ``codes.hash_bits``, no new compiled variant over
+an lr schedule, and (in a subprocess, without the interpreter) a compile of every kernel for
+sm_90 whose PTX must hold no FMA, approximate division or sqrt.
 """
 
 import os
@@ -118,7 +119,31 @@ class Twin:
         _store(p, pi + neg * (mi / denom))
 
     @staticmethod
-    def blocks(p, g, st, h, levels, mids, bits, f):
+    def denominator(gi, mi, sv, j, count, h, fe, rule=True):
+        """The blocked update's denominator with eps, per element: the shared s (sqrt(v) / bc2,
+        or sqrt(v) times the element's factor entry ``fe``) and, where g opposes m (unless
+        ``rule`` is False), at least sqrt(s^2 keep + m_hat^2), keep from the block's fp64 sums
+        of m_hat^2 and f^2 (``_new_block``, ``_element``)."""
+        bc1, bc2, eps = _hyp(h, Hyp.BC1, Hyp.BC2, Hyp.EPS)
+        nb = sv.size
+        mh = mi / bc1
+        mean_m2 = np.bincount(j, weights=mh.astype(np.float64) ** 2, minlength=nb) / count
+        mean_m2 = mean_m2.astype(F32)
+        if fe is None:
+            den = sv / bc2
+            ss, s = den * den, den[j]
+        else:
+            f2 = np.bincount(j, weights=fe.astype(np.float64) ** 2, minlength=nb) / count
+            ss, s = (sv * sv) * f2.astype(F32), sv[j] * fe
+        pos = ss > 0
+        keep = np.where(pos, np.maximum(F32(1.0) - mean_m2 / np.where(pos, ss, F32(1.0)), 0), 0)
+        keep = keep.astype(F32)
+        split = np.sqrt(s * s * keep[j] + mh * mh)
+        turned = (gi * mi < 0) if rule else np.zeros(mi.shape, bool)
+        return np.where(turned, np.maximum(s, split), s) + eps
+
+    @classmethod
+    def blocks(cls, p, g, st, h, levels, mids, bits, f):
         """block_update (B > 1) and column_update (B < 0) with factor ``f`` (or None)."""
         w, b2, a2, decay, neg, bc2, eps = _hyp(h, Hyp.W, Hyp.BETA2, Hyp.A2, *_HYP_REST)
         n, B, start = st.numel, st.block_size, st.start
@@ -141,10 +166,7 @@ class Twin:
         sv = np.sqrt(v)
         amax = np.zeros(nb, dtype=F32)
         np.maximum.at(amax, j, np.abs(mi))
-        if f is None:
-            d = (sv / bc2 + eps)[j]
-        else:
-            d = sv[j] * _np(f)[fi] + eps
+        d = cls.denominator(gi, mi, sv, j, count, h, None if f is None else _np(f)[fi])
         _store(p, _np(p) * decay + neg * (mi / d))
         x = mi / np.where(amax > 0, amax, F32(1.0))[j]
         if bits == 8:
@@ -363,6 +385,58 @@ def test_a_free_run(layout):
         assert torch.equal(p, p_twin), f"parameters differ from the twin (step {t})"
         _equal(mine, twin, f"step {t}")
         _near(p, mine, p_ref, ref, p0, bits, h.lr, f"step {t}")
+
+
+class _NoRule(Twin):
+    """The twin without the overshoot rule: every denominator the block's shared one."""
+
+    @staticmethod
+    def denominator(*args):
+        return Twin.denominator(*args, rule=False)
+
+
+TURNS = [  # (bits, start, numel, block, factored)
+    (8, 3, 1501, 200, False),  # contiguous, a cut first block
+    (4, 37, 4001, 97, True),  # contiguous, factored
+    (4, 3, 1001, -13, False),  # columns (P < MIN_CROSS_BLOCKS)
+    (8, 37, 4001, -97, True),  # columns from mid-row, factored
+]
+
+
+@pytest.mark.parametrize("turn", TURNS, ids=lambda t: f"{t[0]}b-s{t[1]}-n{t[2]}-B{t[3]}")
+def test_where_the_gradient_turns(turn):
+    """The overshoot rule: four steps of one gradient, then its negation, so at step 5 g
+    opposes m everywhere. The kernels equal the twin bit for bit and stay near the reference
+    at every step; at step 5 the rule (denominator at least sqrt(s^2 keep + m_hat^2)) shortens
+    many elements' steps against the rule-free twin (``_NoRule``), and never lengthens one."""
+    bits, start, numel, block, factored = turn
+    gen = torch.Generator().manual_seed(numel)
+    levels, mids = _levels(bits, seed=2)
+    mine, twin, ref = (_state(start, numel, block, bits) for _ in range(3))
+    assert bool(mine.v_cross is not None and mine.v_cross.numel()) == factored
+    p0 = torch.randn(numel, generator=gen)
+    g0 = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen)
+    p, p_twin, p_ref = p0.clone(), p0.clone(), p0.clone()
+    for t in range(1, 6):
+        g = g0 if t < 5 else -g0
+        h = _hyper(t, lr=1e-2)
+        if t == 5:
+            p_free, free = p_twin.clone(), _copy(twin)
+            _NoRule.step(p_free, g, free, h, levels, mids, bits)
+            before = p_twin.clone()
+        tb.step([SegmentWork(p, g, mine, h, levels, mids, bits)])
+        Twin.step(p_twin, g, twin, h, levels, mids, bits)
+        _reference(p_ref, g, ref, h, levels, mids, bits)
+        assert torch.equal(p, p_twin), f"parameters differ from the twin (step {t})"
+        _equal(mine, twin, f"step {t}")
+        _near(p, mine, p_ref, ref, p0, bits, h.lr, f"step {t}")
+    decay = float(np.float32(segment_table.hyper_row(h)[Hyp.DECAY]))
+    moved, free_moved = (p - before * decay).abs(), (p_free - before * decay).abs()
+    changed = p != p_free
+    assert int(changed.sum()) >= numel // 10, f"the rule changed {int(changed.sum())} steps"
+    assert bool((moved <= free_moved).all()), "the rule may only shorten a step"
+    assert bool((moved[changed] < free_moved[changed]).all())
+    _equal(free, twin, "the rule changes only the parameters")
 
 
 # ------------------------------------------------------------ several tensors in one call

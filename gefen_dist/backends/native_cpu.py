@@ -43,7 +43,17 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 PACKAGED = _PACKAGE / "_csrc" / "gefen_cpu.cpp"  # a wheel's copy (setup.py)
 CHECKOUT = _PACKAGE.parent / "csrc" / "gefen_cpu.cpp"  # a checkout's, or an editable install's
 SOURCE = PACKAGED if PACKAGED.exists() else CHECKOUT
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+# -fno-math-errno: sqrt sets no errno, so loops that take one vectorise (IEEE sqrt, same bits)
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=c++17",
+]
 
 _lib: ctypes.CDLL | None = None
 _error: str | None = None

@@ -7,6 +7,8 @@ Every native kernel is tested against these functions. Per block of B elements (
     v     = b2 * v + (1 - b2) * mean(g^2 over block)   one v per block
     p     = p * (1 - lr * wd)                          decoupled weight decay
     p     = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+                                                       (the denominator at least
+                                                       ``overshoot_denominator``'s)
     absmax, code = max|m| over block, level of m / absmax: nearest (8 bits) or stochastic (4)
 
 Column blocks (block size -P: the segment's element i belongs to block i mod P) follow the same
@@ -44,6 +46,23 @@ v_cross belongs to the tensor, not to a piece: positions and rows are the tensor
 spread over ranks (FSDP, ZeRO) has its per-entry sums of g^2 (``cross_sums``) added over the
 ranks by one all-reduce per step before ``cross_factor``, so every rank holding a piece keeps the
 single-process v_cross (a copy each) and takes the single-process step.
+
+Where the gradient turns (``overshoot_denominator``): an element whose own signal m_hat^2 =
+(m / (1 - b1^t))^2 outgrows its block's shared estimate s_ij^2 (s_ij = sqrt(v_b) / sqrt(1 - b2^t),
+times c_j's square root where factored) steps further than AdamW would, which is what gives Gefen
+its lead at a good lr and what overshoots at a high one. Reading the block's v as a shared
+noise plus each element's own signal, v_ij = s_ij^2 keep_b + m_hat_ij^2 with keep_b = 1 -
+mean(m_hat^2) / mean(s^2) over the block (clamped to [0, 1]; ``block_keep``), gives each
+element AdamW's own v in expectation where the block's noise is even. It is used only where
+this step's gradient opposes m after the fold (g_ij m_ij < 0: the last steps went past the
+valley floor along that element), and never for a shorter denominator than s_ij:
+
+    denom_ij = max(s_ij, sqrt(s_ij^2 keep_b + m_hat_ij^2)) + eps   where g_ij m_ij < 0
+    denom_ij = s_ij + eps                                          elsewhere
+
+No constant and no state: m, g and the block's v are what the update reads anyway; the means
+over the block are two more sums per block (mean(s^2) = sqrt(v_b)^2 times the block's mean of
+f^2, f = sqrt(c) / sqrt(1 - b2^t), where factored). Measured: ``research/results/high_lr_osc.md`` (the probe's ``split_osc``).
 
 The parameter moves with the unquantised m of this step; only what is stored is quantised, so the
 quantisation error enters once per step instead of compounding through the update. Segments with
@@ -236,16 +255,39 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
     v.mul_(h.beta2).add_(g32.square().mean(dim=1), alpha=1.0 - h.beta2)
     p32 = p if p.dtype == torch.float32 else p.float()
     p32.mul_(1.0 - h.lr * h.weight_decay)
+    sv = v.sqrt()
     if f is None:
-        denom = (v.sqrt() / h.bc2_sqrt).add_(h.eps)[:, None]
+        shared = (sv / h.bc2_sqrt)[:, None].expand_as(m)
+        ss = shared[:, 0].square()
     else:
-        denom = (v.sqrt()[:, None] * f[None, :]).add_(h.eps)
+        shared = sv[:, None] * f[None, :]
+        ss = sv.square() * f.square().mean()
+    keep = block_keep((m / h.bc1).square().mean(dim=1), ss)
+    denom = overshoot_denominator(shared, m, g32, keep[:, None], h).add_(h.eps)
     p32.addcdiv_(m, denom, value=-h.step_size)
     write_param(p, p32, h.bf16_stochastic_round, h.step, st.start + a)
     amax = m.abs().amax(dim=1)
     absmax.copy_(amax)
     m.div_(torch.where(amax > 0, amax, torch.ones_like(amax))[:, None])
     write_codes(st.codes, a, b, requantize(m, st.start + a, h.step, levels, mids, bits), bits)
+
+
+def block_keep(mean_m2: torch.Tensor, mean_s2: torch.Tensor) -> torch.Tensor:
+    """Each block's share of its v that is noise, 1 - mean(m_hat^2) / mean(s^2) clamped to
+    [0, 1] (0 where mean(s^2) is 0): ``mean_m2`` the block's mean of (m / (1 - b1^t))^2 after
+    this step's fold, ``mean_s2`` its mean of the shared denominator's square (module
+    docstring, "Where the gradient turns")."""
+    ratio = mean_m2 / torch.where(mean_s2 > 0, mean_s2, torch.ones_like(mean_s2))
+    return torch.where(mean_s2 > 0, (1.0 - ratio).clamp(min=0.0), torch.zeros_like(ratio))
+
+
+def overshoot_denominator(
+    shared: torch.Tensor, m: torch.Tensor, g: torch.Tensor, keep: torch.Tensor, h: Hyper
+) -> torch.Tensor:
+    """The denominator before eps: ``shared`` (the block's sqrt(v), times the factor), and
+    where this step's gradient opposes m, at least sqrt(shared^2 keep + m_hat^2)."""
+    split = (shared.square() * keep).addcmul_(m, m, value=1.0 / h.bc1**2).sqrt_()
+    return torch.where(m * g < 0, torch.maximum(shared, split), shared)
 
 
 def requantize(
@@ -280,25 +322,34 @@ def column_update(
     period, n = -st.block_size, st.numel
     nb = st.absmax.numel()
     sum_sq = torch.zeros(nb, dtype=torch.float32, device=p.device)
+    sum_m2 = torch.zeros(nb, dtype=torch.float32, device=p.device)
+    sum_f2 = torch.zeros(nb, dtype=torch.float32, device=p.device)
     amax = torch.zeros(nb, dtype=torch.float32, device=p.device)
-    for _, _, m, g32 in _column_rows(g, st, h, levels, bits, period):
+    for a, _, m, g32 in _column_rows(g, st, h, levels, bits, period):
         w = m.shape[1]
         sum_sq[:w] += g32.square().sum(dim=0)
+        sum_m2[:w] += (m / h.bc1).square().sum(dim=0)
+        if f is not None:
+            sum_f2[:w] += _row_factor(f, st.start + a, m.shape[0], w, period).square().sum(dim=0)
         torch.maximum(amax[:w], m.abs().amax(dim=0), out=amax[:w])
     count = torch.full((nb,), float(n // period), device=p.device)
     count[: n % period] += 1.0
     st.v.mul_(h.beta2).add_(sum_sq / count, alpha=1.0 - h.beta2)
     sqrt_v = st.v.sqrt()
-    denom = (sqrt_v / h.bc2_sqrt).add_(h.eps)
+    col = sqrt_v / h.bc2_sqrt
+    ss = col.square() if f is None else sqrt_v.square() * (sum_f2 / count)
+    keep = block_keep(sum_m2 / count, ss)
     scale = torch.where(amax > 0, amax, torch.ones_like(amax))
-    for a, b, m, _ in _column_rows(g, st, h, levels, bits, period):
+    for a, b, m, g32 in _column_rows(g, st, h, levels, bits, period):
         w = m.shape[1]
         pc = p[a:b].view(-1, w)
         p32 = pc if pc.dtype == torch.float32 else pc.float()
         p32.mul_(1.0 - h.lr * h.weight_decay)
-        d = denom[:w]
-        if f is not None:
-            d = _row_denominator(sqrt_v[:w], f, st.start + a, m.shape[0], period, h)
+        if f is None:
+            shared = col[None, :w].expand_as(m)
+        else:
+            shared = sqrt_v[None, :w] * _row_factor(f, st.start + a, m.shape[0], w, period)
+        d = overshoot_denominator(shared, m, g32, keep[None, :w], h).add_(h.eps)
         p32.addcdiv_(m, d, value=-h.step_size)
         write_param(pc, p32, h.bf16_stochastic_round, h.step, st.start + a)
         codes = requantize(m / scale[:w], st.start + a, h.step, levels, mids, bits)
@@ -306,19 +357,16 @@ def column_update(
     st.absmax.copy_(amax)
 
 
-def _row_denominator(sqrt_v, f, first, rows, period, h):
-    """sqrt(v) of each column times the factor of each element's tensor row, plus eps, for
-    ``rows`` rows of the segment's view whose first element is the tensor's ``first``: where a
-    piece starts mid-row its view's rows straddle two tensor rows, columns from ``cut`` on lying
-    in the next."""
-    w = sqrt_v.numel()
+def _row_factor(f, first, rows, w, period):
+    """The factor of each element's tensor row, (rows, w), for ``rows`` rows of the segment's
+    view whose first element is the tensor's ``first``: where a piece starts mid-row its view's
+    rows straddle two tensor rows, columns from ``cut`` on lying in the next."""
     r0, cut = first // period, period - first % period
     fr = f[r0 : r0 + rows + (1 if cut < w else 0)]
     if cut >= w:
-        return (sqrt_v[None, :] * fr[:, None]).add_(h.eps)
+        return fr[:, None].expand(rows, w)
     cols = torch.arange(w, device=f.device)
-    per = torch.where(cols[None, :] < cut, fr[:rows, None], fr[1:, None])
-    return (sqrt_v[None, :] * per).add_(h.eps)
+    return torch.where(cols[None, :] < cut, fr[:rows, None], fr[1:, None])
 
 
 def _column_rows(g, st, h, levels, bits, period):

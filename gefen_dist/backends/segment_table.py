@@ -99,6 +99,8 @@ class Hyp(IntEnum):
     BC2 = 6
     """sqrt(1 - beta2^t)."""
     EPS = 7
+    BC1 = 8
+    """1 - beta1^t."""
 
 
 class Cross(IntEnum):
@@ -280,6 +282,7 @@ def hyper_row(h: Hyper) -> list[float]:
             Hyp.NEG_STEP: -h.step_size,
             Hyp.BC2: h.bc2_sqrt,
             Hyp.EPS: h.eps,
+            Hyp.BC1: h.bc1,
         },
         Hyp,
     )

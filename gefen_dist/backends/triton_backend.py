@@ -27,11 +27,15 @@ the old (``commit_kernel``): at most 9. The factor's pass (``cross_table``): at 
 tables reach the device in two host-to-device copies per pass.
 
 What equals what: every operation is the reference's, in the fp32 order the CUDA C++ kernels
-had (lerp as torch's, p * (1 - lr wd) + (-step) * (m / denom), denom = sqrt(v) / bc2 + eps or
-sqrt(v) * factor + eps; correctly rounded division and square root, no contraction), sums of
-g^2 in fp64 in a fixed order, so results are deterministic and a resumed run continues bit for
-bit. Against ``reference.py`` run by torch they agree within ``agree``'s bounds, not bit for bit:
-torch's CPU kernels contract lerp and add-with-alpha into FMAs, compute addcdiv as
+had (lerp as torch's, p * (1 - lr wd) + (-step) * (m / denom); the shared s = sqrt(v) / bc2,
+or sqrt(v) * factor; per block keep = max(0, 1 - mean(m_hat^2) / ms2), 0 where ms2 is not > 0,
+ms2 = s * s or (sqrt(v) * sqrt(v)) * mean(factor^2), m_hat = m / bc1, each mean an fp64 sum
+of squares over the block's elements / their count, rounded to fp32; denom = max(s, sqrt(s * s
+* keep + m_hat * m_hat)) + eps where g * m < 0, else s + eps (the overshoot rule); correctly
+rounded division and square root, no contraction), those sums and v's of g^2 in fp64 in a
+fixed order, so results are deterministic and a resumed run continues bit for bit. Against
+``reference.py`` run by torch they agree within ``agree``'s bounds, not bit for bit: torch's
+CPU kernels contract lerp and add-with-alpha into FMAs, compute addcdiv as
 (value * a) / b, and this torch's vectorised fp32 sqrt is not correctly rounded, so an fp32
 result sits an ulp away now and then and a code on a rounding threshold flips
 (tests/test_triton_backend.py pins the kernels bit for bit to an IEEE emulation of their own
@@ -80,7 +84,8 @@ chunks shrink in proportion."""
 COLUMN_ROWS = 32
 COLUMN_PART_BYTES = 48 << 20
 """Rows per chunk (at most 128 chunks per segment) in the column segments' reduction, and the
-most their partial sums and maxima may take for a step (12 bytes per column and chunk)."""
+most their partial sums and maxima may take for a step (28 bytes per column and chunk: fp64
+sums of g^2, (m / bc1)^2 and f^2, an fp32 maximum)."""
 
 SIGNATURES: set[tuple] = set()
 """(kernel, constexpr values) of every launch so far: what could select a compiled variant."""
@@ -259,8 +264,8 @@ class StepPlan:
     """One step's tables on the host, flat arrays that reach the device in two copies: every
     row's integers (``segment_table.row``), the ``Aux`` rows and the launches' prefixes in
     ``ints``, the hyperparameter rows in ``floats``. ``rows``: a ``PlanRow`` per row;
-    ``scratch``: blocks of the blocked and column segments (new absmax and denominator per
-    block); ``part``: the column segments' partials (chunks x columns)."""
+    ``scratch``: blocks of the blocked and column segments (new absmax, denominator and keep
+    per block); ``part``: the column segments' partials (chunks x columns)."""
 
     ints: array
     floats: array
@@ -288,7 +293,7 @@ def _column_chunks(sts: list[SegmentState]) -> list[_ColumnShape]:
         want.append(
             (max(1, min(128, _cdiv(rows, COLUMN_ROWS))), rows, min(st.numel, -st.block_size))
         )
-    total = 12 * sum(c * nb for c, _, nb in want)
+    total = 28 * sum(c * nb for c, _, nb in want)
     out = []
     for chunks, rows, nb in want:
         if total > COLUMN_PART_BYTES:
@@ -480,8 +485,11 @@ def launch_step(plan: StepPlan, device: torch.device) -> None:
     f32, f64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.float64, device=device)
     scr_amax = torch.empty(max(1, plan.scratch), **f32)
     scr_den = torch.empty(max(1, plan.scratch), **f32)
+    scr_keep = torch.empty(max(1, plan.scratch), **f32)
     part_sum = torch.empty(max(1, plan.part), **f64)
     part_max = torch.empty(max(1, plan.part), **f32)
+    part_m2 = torch.empty(max(1, plan.part), **f64)
+    part_f2 = torch.empty(max(1, plan.part), **f64)
     with _on(device):
         for la in plan.launches:
             kernel = getattr(k, la.kernel)
@@ -489,11 +497,12 @@ def launch_step(plan: StepPlan, device: torch.device) -> None:
             if la.kernel == "dense_kernel":
                 args = (ints, floats, la.meta_at, la.hyp_at, la.prefix_at, la.n)
             elif la.kernel in ("block_reduce_kernel", "apply_kernel"):
-                args = (ints, floats, *head, scr_amax, scr_den)
+                args = (ints, floats, *head, scr_amax, scr_den, scr_keep)
             elif la.kernel == "col_reduce_kernel":
-                args = (ints, floats, *head, part_sum, part_max)
+                args = (ints, floats, *head, part_sum, part_max, part_m2, part_f2)
             elif la.kernel == "col_finish_kernel":
-                args = (ints, floats, *head, part_sum, part_max, scr_amax, scr_den)
+                parts = (part_sum, part_max, part_m2, part_f2)
+                args = (ints, floats, *head, *parts, scr_amax, scr_den, scr_keep)
             else:  # commit_kernel
                 args = (ints, la.meta_at, la.aux_at, la.prefix_at, la.n, scr_amax)
             _launch(kernel, la.programs, *args, **la.const)

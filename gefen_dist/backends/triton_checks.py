@@ -34,8 +34,8 @@ def variants() -> list[tuple[str, dict[str, str], dict[str, int]]]:
     i64, f32, f64, n = "*i64", "*fp32", "*fp64", "i32"
     step = {"ints": i64, "floats": f32, "meta_at": n, "hyp_at": n}
     rows = {**step, "aux_at": n, "prefix_at": n, "n_rows": n}
-    scr = {"scr_amax": f32, "scr_den": f32}
-    part = {"part_sum": f64, "part_max": f32}
+    scr = {"scr_amax": f32, "scr_den": f32, "scr_keep": f32}
+    part = {"part_sum": f64, "part_max": f32, "part_m2": f64, "part_f2": f64}
     cross = {"ints": i64, "meta_at": n, "prefix_at": n, "n_rows": n}
     out = [("dense_kernel", {**step, "prefix_at": n, "n_rows": n}, {"TILE": TILE})]
     out += [("block_reduce_kernel", {**rows, **scr}, {"R": r, "W": w}) for w, r in WIDTHS]

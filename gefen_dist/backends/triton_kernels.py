@@ -15,8 +15,9 @@ constexpr; every integer argument is excluded from specialisation, so a step wit
 hyperparameters, another step key or another layout never compiles anything new.
 
 Arithmetic: fp32 with correctly rounded division and square root (``div_rn``, ``sqrt_rn``),
-launched with ``enable_fp_fusion=False`` so nothing is contracted into an FMA; sums of g^2 in
-fp64 in a fixed order (no atomics), so a launch gives the same bits every run. Stores to bf16
+launched with ``enable_fp_fusion=False`` so nothing is contracted into an FMA; sums of g^2 (and
+the overshoot rule's (m / bc1)^2 and f^2 per block) in fp64 in a fixed order (no atomics), so a
+launch gives the same bits every run. Stores to bf16
 round to nearest even with integer operations (the interpreter's own fp32 -> bf16 conversion
 truncates), as ``Tensor.copy_``.
 """
@@ -64,6 +65,7 @@ H_DECAY = tl.constexpr(int(Hyp.DECAY))
 H_NEG_STEP = tl.constexpr(int(Hyp.NEG_STEP))
 H_BC2 = tl.constexpr(int(Hyp.BC2))
 H_EPS = tl.constexpr(int(Hyp.EPS))
+H_BC1 = tl.constexpr(int(Hyp.BC1))
 H_COLS = tl.constexpr(len(Hyp))
 
 # Aux: triton_backend.step_plan
@@ -331,19 +333,32 @@ def dense_kernel(ints, floats, meta_at, hyp_at, prefix_at, n_rows, TILE: tl.cons
 
 
 @triton.jit
-def _new_block(m, h, v_addr, j, jmask, total, count, scr_amax, scr_den, scr, amax):
-    """Block j's new v into the state, its new absmax and denominator (sqrt(v) where the
-    segment is factored, the element's factor completing it) into the scratch."""
+def _new_block(
+    m, h, v_addr, j, jmask, total, total_m2, total_f2, count, scr_amax, scr_den, scr_keep, scr, amax
+):
+    """Block j's new v into the state; its new absmax, its shared denominator before eps
+    (sqrt(v) / bc2, or sqrt(v) where the segment is factored, the element's factor completing
+    it) and its keep (reference.block_keep: 1 - mean(m_hat^2) / mean(s^2), clamped to [0, 1],
+    0 where mean(s^2) is 0) into the scratch. ``total``, ``total_m2``, ``total_f2``: the
+    block's fp64 sums of g^2, (m / bc1)^2 and (factored) f^2 over its ``count`` elements."""
     v_ptr = v_addr.to(tl.pointer_type(tl.float32))
-    mean = (total / count.to(tl.float64)).to(tl.float32)
+    n = count.to(tl.float64)
+    mean = (total / n).to(tl.float32)
+    mean_m2 = (total_m2 / n).to(tl.float32)
     vj = tl.load(v_ptr + j, mask=jmask, other=0.0) * tl.load(h + H_BETA2) + tl.load(h + H_A2) * mean
     tl.store(v_ptr + j, vj, mask=jmask)
     sv = tl.math.sqrt_rn(vj)
     if tl.load(m + M_FACTOR) != 0:
         den = sv
+        ss = (sv * sv) * (total_f2 / n).to(tl.float32)
     else:
-        den = tl.math.div_rn(sv, tl.load(h + H_BC2)) + tl.load(h + H_EPS)
+        den = tl.math.div_rn(sv, tl.load(h + H_BC2))
+        ss = den * den
+    pos = ss > 0.0
+    ratio = tl.math.div_rn(mean_m2, tl.where(pos, ss, 1.0))
+    keep = tl.where(pos, tl.maximum(1.0 - ratio, 0.0), 0.0)
     tl.store(scr_den + scr + j, den, mask=jmask)
+    tl.store(scr_keep + scr + j, keep, mask=jmask)
     tl.store(scr_amax + scr + j, amax, mask=jmask)
 
 
@@ -358,13 +373,16 @@ def block_reduce_kernel(
     n_rows,
     scr_amax,
     scr_den,
+    scr_keep,
     R: tl.constexpr,
     W: tl.constexpr,
 ):
     """Contiguous blocks, pass 1 of 3: a program per R consecutive blocks of a segment, a
-    (R, W) tile looping over the block in steps of W: sum g^2 (fp64) and max |m_new|, m_new =
-    lerp(levels[code] * absmax, g, 1 - b1); the new v into the state, the new absmax and the
-    denominator into the scratch (the old absmax is needed until every code is rewritten)."""
+    (R, W) tile looping over the block in steps of W: sums (fp64) of g^2, of (m_new / bc1)^2
+    and, factored, of f^2 (f at the element's position in its block), and max |m_new|, m_new =
+    lerp(levels[code] * absmax, g, 1 - b1); the new v into the state, the new absmax, the
+    denominator and keep into the scratch (the old absmax is needed until every code is
+    rewritten)."""
     m, h, aux, local = _update_program(ints, floats, meta_at, hyp_at, aux_at, prefix_at, n_rows)
     start = tl.load(m + M_START)
     numel = tl.load(m + M_NUMEL)
@@ -376,15 +394,20 @@ def block_reduce_kernel(
     codes = tl.load(m + M_CODES)
     levels = tl.load(m + M_LEVELS).to(tl.pointer_type(tl.float32))
     absmax = tl.load(m + M_ABSMAX).to(tl.pointer_type(tl.float32))
+    fac = tl.load(m + M_FACTOR)
     w = tl.load(h + H_W)
+    bc1 = tl.load(h + H_BC1)
     j = local * R + tl.arange(0, R)
     jmask = j < nb
     b0 = start // block
     lo = tl.maximum((b0 + j) * block, start) - start
     hi = tl.minimum((b0 + j + 1) * block, start + numel) - start
     hi = tl.where(jmask, hi, lo)
+    first = (b0 + j) * block - start  # the block's position 0 as a segment index
     old = tl.load(absmax + j, mask=jmask, other=0.0)
     acc = tl.zeros((R, W), tl.float64)
+    acc_m2 = tl.zeros((R, W), tl.float64)
+    acc_f2 = tl.zeros((R, W), tl.float64)
     amax = tl.zeros((R, W), tl.float32)
     for t in range(0, _bound(tl.max(hi - lo, axis=0)), W):
         i = lo[:, None] + t + tl.arange(0, W)[None, :]
@@ -395,7 +418,12 @@ def block_reduce_kernel(
         level = tl.load(levels + _code_of(codes, i, mask, four), mask=mask, other=0.0)
         mi = _lerp(level * old[:, None], g, w)
         amax = tl.maximum(amax, tl.where(mask, tl.abs(mi), 0.0))
-    scr = tl.load(aux + A_SCR)
+        q = tl.where(mask, tl.math.div_rn(mi, bc1), 0.0).to(tl.float64)
+        acc_m2 += q * q
+        if fac != 0:
+            fp = fac.to(tl.pointer_type(tl.float32)) + (i - first[:, None])
+            f = tl.load(fp, mask=mask, other=0.0).to(tl.float64)
+            acc_f2 += f * f
     _new_block(
         m,
         h,
@@ -403,10 +431,13 @@ def block_reduce_kernel(
         j,
         jmask,
         tl.sum(acc, axis=1),
+        tl.sum(acc_m2, axis=1),
+        tl.sum(acc_f2, axis=1),
         tl.maximum(hi - lo, 1),
         scr_amax,
         scr_den,
-        scr,
+        scr_keep,
+        tl.load(aux + A_SCR),
         tl.max(amax, axis=1),
     )
 
@@ -422,13 +453,17 @@ def col_reduce_kernel(
     n_rows,
     part_sum,
     part_max,
+    part_m2,
+    part_f2,
     RB: tl.constexpr,
     CB: tl.constexpr,
 ):
     """Column blocks (B = -P: segment element e in block e mod P), pass 1 of 4: a program per
     CB columns and chunk of rows of the segment's (rows, P) view, (RB, CB) tiles down the
-    chunk: partial sums of g^2 (fp64) and maxima of |m_new| per column."""
+    chunk: partial sums (fp64) of g^2, of (m_new / bc1)^2 and, factored, of f^2 (f of the
+    element's tensor row), and maxima of |m_new| per column."""
     m, h, aux, local = _update_program(ints, floats, meta_at, hyp_at, aux_at, prefix_at, n_rows)
+    start = tl.load(m + M_START)
     numel = tl.load(m + M_NUMEL)
     period = -tl.load(m + M_BLOCK)
     nb = tl.load(aux + A_NB)
@@ -439,14 +474,20 @@ def col_reduce_kernel(
     codes = tl.load(m + M_CODES)
     levels = tl.load(m + M_LEVELS).to(tl.pointer_type(tl.float32))
     absmax = tl.load(m + M_ABSMAX).to(tl.pointer_type(tl.float32))
+    fac = tl.load(m + M_FACTOR)
     w = tl.load(h + H_W)
+    bc1 = tl.load(h + H_BC1)
     tiles = (nb + CB - 1) // CB
     chunk = local // tiles
     k = (local % tiles) * CB + tl.arange(0, CB)
     kmask = k < nb
+    # tensor row of view row r, column k: start // P + r, plus one where start % P + k >= P
+    up = tl.where(start % period + k >= period, 1, 0) + start // period
     old = tl.load(absmax + k, mask=kmask, other=0.0)
     r0 = chunk * per
     acc = tl.zeros((RB, CB), tl.float64)
+    acc_m2 = tl.zeros((RB, CB), tl.float64)
+    acc_f2 = tl.zeros((RB, CB), tl.float64)
     amax = tl.zeros((RB, CB), tl.float32)
     for r in range(_bound(r0), _bound(r0 + per), RB):
         rows = r + tl.arange(0, RB)
@@ -458,9 +499,17 @@ def col_reduce_kernel(
         level = tl.load(levels + _code_of(codes, e, mask, four), mask=mask, other=0.0)
         mi = _lerp(level * old[None, :], g, w)
         amax = tl.maximum(amax, tl.where(mask, tl.abs(mi), 0.0))
+        q = tl.where(mask, tl.math.div_rn(mi, bc1), 0.0).to(tl.float64)
+        acc_m2 += q * q
+        if fac != 0:
+            fp = fac.to(tl.pointer_type(tl.float32)) + (rows[:, None] + up[None, :])
+            f = tl.load(fp, mask=mask, other=0.0).to(tl.float64)
+            acc_f2 += f * f
     at = tl.load(aux + A_PART) + chunk * nb + k
     tl.store(part_sum + at, tl.sum(acc, axis=0), mask=kmask)
     tl.store(part_max + at, tl.max(amax, axis=0), mask=kmask)
+    tl.store(part_m2 + at, tl.sum(acc_m2, axis=0), mask=kmask)
+    tl.store(part_f2 + at, tl.sum(acc_f2, axis=0), mask=kmask)
 
 
 @_kernel
@@ -474,13 +523,16 @@ def col_finish_kernel(
     n_rows,
     part_sum,
     part_max,
+    part_m2,
+    part_f2,
     scr_amax,
     scr_den,
+    scr_keep,
     CB: tl.constexpr,
 ):
     """Column blocks, pass 2 of 4: a program per CB columns adds their partials in chunk order
-    (so the sums do not depend on scheduling); the new v into the state, the new absmax and
-    the denominator into the scratch."""
+    (so the sums do not depend on scheduling); the new v into the state, the new absmax, the
+    denominator and keep into the scratch."""
     m, h, aux, local = _update_program(ints, floats, meta_at, hyp_at, aux_at, prefix_at, n_rows)
     numel = tl.load(m + M_NUMEL)
     period = -tl.load(m + M_BLOCK)
@@ -490,9 +542,13 @@ def col_finish_kernel(
     kmask = k < nb
     at = tl.load(aux + A_PART) + k
     total = tl.zeros((CB,), tl.float64)
+    total_m2 = tl.zeros((CB,), tl.float64)
+    total_f2 = tl.zeros((CB,), tl.float64)
     amax = tl.zeros((CB,), tl.float32)
     for q in range(0, _bound(chunks)):
         total += tl.load(part_sum + at + q * nb, mask=kmask, other=0.0)
+        total_m2 += tl.load(part_m2 + at + q * nb, mask=kmask, other=0.0)
+        total_f2 += tl.load(part_f2 + at + q * nb, mask=kmask, other=0.0)
         amax = tl.maximum(amax, tl.load(part_max + at + q * nb, mask=kmask, other=0.0))
     count = tl.maximum(numel // period + tl.where(k < numel % period, 1, 0), 1)
     _new_block(
@@ -502,9 +558,12 @@ def col_finish_kernel(
         k,
         kmask,
         total,
+        total_m2,
+        total_f2,
         count,
         scr_amax,
         scr_den,
+        scr_keep,
         tl.load(aux + A_SCR),
         amax,
     )
@@ -528,6 +587,7 @@ def _element(
     mids,
     scr_amax,
     scr_den,
+    scr_keep,
     scr,
     start,
     four,
@@ -547,17 +607,20 @@ def _element(
         fi = ((sr + t) % w).to(tl.int64)
     level = tl.load(levels + code, mask=mask, other=0.0)
     old = tl.load(absmax + j, mask=mask, other=0.0)
-    mi = _lerp(
-        level * old, _ld(tl.load(m + M_G), e, mask, tl.load(m + M_G_DTYPE)), tl.load(h + H_W)
-    )
+    g = _ld(tl.load(m + M_G), e, mask, tl.load(m + M_G_DTYPE))
+    mi = _lerp(level * old, g, tl.load(h + H_W))
     p_addr = tl.load(m + M_P)
     pt = tl.load(m + M_P_DTYPE)
     pi = _ld(p_addr, e, mask, pt) * tl.load(h + H_DECAY)
-    d = tl.load(scr_den + scr + j, mask=mask, other=1.0)
+    s = tl.load(scr_den + scr + j, mask=mask, other=1.0)
     fac = tl.load(m + M_FACTOR)
     if fac != 0:
-        f = tl.load(fac.to(tl.pointer_type(tl.float32)) + fi, mask=mask, other=1.0)
-        d = d * f + tl.load(h + H_EPS)
+        s = s * tl.load(fac.to(tl.pointer_type(tl.float32)) + fi, mask=mask, other=1.0)
+    # where g opposes m, at least sqrt(s^2 keep + m_hat^2) (reference.overshoot_denominator)
+    keep = tl.load(scr_keep + scr + j, mask=mask, other=0.0)
+    mh = tl.math.div_rn(mi, tl.load(h + H_BC1))
+    split = tl.math.sqrt_rn(s * s * keep + mh * mh)
+    d = tl.where(g * mi < 0.0, tl.maximum(s, split), s) + tl.load(h + H_EPS)
     x = pi + tl.load(h + H_NEG_STEP) * tl.math.div_rn(mi, d)
     _st_param(p_addr, e, mask, x, pt, start + e, _param_key(key))
     amax = tl.load(scr_amax + scr + j, mask=mask, other=1.0)
@@ -585,6 +648,7 @@ def apply_kernel(
     n_rows,
     scr_amax,
     scr_den,
+    scr_keep,
     TILE: tl.constexpr,
 ):
     """Blocked and column segments, the element pass: a program per TILE elements of a
@@ -640,6 +704,7 @@ def apply_kernel(
         mids,
         scr_amax,
         scr_den,
+        scr_keep,
         scr,
         start,
         four,
@@ -662,6 +727,7 @@ def apply_kernel(
         mids,
         scr_amax,
         scr_den,
+        scr_keep,
         scr,
         start,
         four,

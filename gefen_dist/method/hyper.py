@@ -35,5 +35,10 @@ class Hyper:
         return self.lr / (1.0 - self.beta1**self.step)
 
     @property
+    def bc1(self) -> float:
+        """1 - beta1^t: m / bc1 is the bias-corrected m-hat the update's overshoot rule reads."""
+        return 1.0 - self.beta1**self.step
+
+    @property
     def bc2_sqrt(self) -> float:
         return math.sqrt(1.0 - self.beta2**self.step)

@@ -32,7 +32,9 @@ def gefen(
     blocks: its column of the tensor's (n / B, B) view, or its row for column blocks; relative to
     the factors' mean, at least CROSS_FLOOR; from the steps before this one, this
     step's own on the first) when the tensor has at least
-    MIN_CROSS_BLOCKS blocks, and an m stored as codebook level * absmax: the nearest
+    MIN_CROSS_BLOCKS blocks, where this step's g opposes m at least s^2 keep + m_hat^2 (s^2
+    that shared v-hat, keep = 1 - sum(m_hat^2) / sum(s^2) over the block, in [0, 1];
+    ``reference.overshoot_denominator``), and an m stored as codebook level * absmax: the nearest
     level at 8 bits; at 4 bits one of the two around it, the upper one when u * spacing <
     distance above the lower, u = codes.uniforms(step, index in the tensor). With
     ``bf16_stochastic_round`` (``p`` the fp32 values of a bf16 parameter) each step's p is
@@ -69,7 +71,13 @@ def gefen(
         )
         v_elem = v[ids] * c[pos] if factored else v[ids]
         p = p * (1 - lr * wd)
-        denom = (v_elem / (1 - betas[1] ** t)).sqrt() + eps
+        s2 = v_elem / (1 - betas[1] ** t)  # the shared estimate of each element's v-hat
+        m_hat2 = (m / (1 - betas[0] ** t)) ** 2
+        ratio = torch.zeros(nb).index_add_(0, ids, m_hat2) / torch.zeros(nb).index_add_(0, ids, s2)
+        keep = (1 - ratio.nan_to_num(posinf=1.0)).clamp(0.0, 1.0)[ids]  # the block's noise share
+        turned = m * g < 0  # this step's gradient opposes m: the last steps overshot
+        s2 = torch.where(turned, torch.maximum(s2, s2 * keep + m_hat2), s2)
+        denom = s2.sqrt() + eps
         p = p - lr / (1 - betas[0] ** t) * m / denom
         if bf16_stochastic_round:  # p holds a bf16 tensor's values (fp32): its write rounds
             p = codes.round_bf16(p, codes.param_bits(t, torch.arange(n) + start)).float()
