@@ -62,7 +62,8 @@ valley floor along that element), and never for a shorter denominator than s_ij:
 
 No constant and no state: m, g and the block's v are what the update reads anyway; the means
 over the block are two more sums per block (mean(s^2) = sqrt(v_b)^2 times the block's mean of
-f^2, f = sqrt(c) / sqrt(1 - b2^t), where factored). Measured: ``research/results/high_lr_osc.md`` (the probe's ``split_osc``).
+f^2, f = sqrt(c) / sqrt(1 - b2^t), where factored). Measured:
+``research/results/high_lr_osc.md`` (the probe's ``split_osc``).
 
 The parameter moves with the unquantised m of this step; only what is stored is quantised, so the
 quantisation error enters once per step instead of compounding through the update. Segments with
