@@ -684,74 +684,6 @@ inline float overshoot(float s, float m, float g, float keep, float ib2, float e
   return (g * m < 0.0f ? wide : s) + eps;
 }
 
-// Whether overshoot() may give an element more than s + eps: g opposes m and x = s^2 keep +
-// m^2 ib2 (overshoot's x, in its order) is above fl(s^2), or s lies outside [2^-62, 2^63].
-// Elsewhere it cannot: there s^2 neither underflows nor overflows, so sqrt(fl(s^2)) == s (round
-// to nearest), and x <= fl(s^2) gives sqrt(x) <= s, the square root being monotone and correctly
-// rounded; NaN fails the test and takes overshoot().
-inline bool turns(float s, float m, float g, float keep, float ib2) {
-  const float ss = s * s;
-  return g * m < 0.0f && !(ss * keep + ib2 * m * m <= ss && s >= 0x1p-62f && s <= 0x1p63f);
-}
-
-// The shared denominator s and the keep of element i of a row block: ``s`` (with kFac times the
-// factor fac[i]; ``s`` is then sqrt(v)) and the block's one keep ``k``
-template <bool kFac>
-struct BlockDen {
-  float s;
-  const float* fac;
-  float k;
-  float s_at(int64_t i) const { return kFac ? s * fac[i] : s; }
-  float keep_at(int64_t) const { return k; }
-  BlockDen from(int64_t i) const { return {s, kFac ? fac + i : fac, k}; }
-};
-
-// ... and of column i of a column segment's row: col[i] (with kFac times the row's factor ``fr``;
-// ``col`` then holds sqrt(v)) and the column's keep[i]
-template <bool kFac>
-struct ColumnDen {
-  const float* col;
-  float fr;
-  const float* keep;
-  float s_at(int64_t i) const { return kFac ? col[i] * fr : col[i]; }
-  float keep_at(int64_t i) const { return keep[i]; }
-  ColumnDen from(int64_t i) const { return {col + i, fr, keep + i}; }
-};
-
-// Loop 2's groups: sixteen elements (and the last, shorter one) share one test for turns(), and
-// only a group where it holds somewhere takes overshoot() and its square root on all its lanes;
-// the others step with s + eps, which is overshoot()'s result there. About one element in a
-// hundred turns, so most groups skip the square root, which competes with the division.
-constexpr int64_t kGroup = 16;
-
-// The parameter step of n elements from m in buf, with denominator s + eps, or with kWide
-// overshoot()'s, for ``den``'s s and keep
-template <int PT, int GT, bool kWide, typename Den>
-inline void step_lanes(const float* __restrict buf, typename Elem<PT>::T* __restrict p,
-                       const typename Elem<GT>::T* __restrict g, int64_t n, Den den, float ib2,
-                       const Hyper& h, int64_t first, uint32_t pk) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float m = buf[i];
-    const float pi = Elem<PT>::get(p[i]) * h.decay;
-    const float s = den.s_at(i);
-    const float d =
-        kWide ? overshoot(s, m, Elem<GT>::get(g[i]), den.keep_at(i), ib2, h.eps) : s + h.eps;
-    p[i] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + i), pk);
-  }
-}
-
-// One group's step: the wide denominator where ``any`` element turns
-template <int PT, int GT, typename Den>
-inline void step_group(bool any, const float* buf, typename Elem<PT>::T* p,
-                       const typename Elem<GT>::T* g, int64_t n, Den den, float ib2,
-                       const Hyper& h, int64_t first, uint32_t pk) {
-  if (any)
-    step_lanes<PT, GT, true>(buf, p, g, n, den, ib2, h, first, pk);
-  else
-    step_lanes<PT, GT, false>(buf, p, g, n, den, ib2, h, first, pk);
-}
-
 // A block's loop 1: m = lerp(level * old, g) of its n elements, the levels read from buf and m
 // written back; returns max |m| and adds the fp32 sum of m^2 into ``m2``
 template <int GT, bool kLow>
@@ -771,25 +703,19 @@ inline float first_moment(float* __restrict buf, const typename Elem<GT>::T* __r
 }
 
 // Loop 2: the parameter step of n elements from m in buf, with ``overshoot``'s denominator for
-// s = ``s``, or s * fac[i] with kFac (reference.cross_factor; ``s`` is then sqrt(v)), in groups
-// of kGroup (turns(), then step_group)
+// s = ``s``, or s * fac[i] with kFac (reference.cross_factor; ``s`` is then sqrt(v))
 template <int PT, int GT, bool kFac>
 inline void move(const float* __restrict buf, typename Elem<PT>::T* __restrict p,
                  const typename Elem<GT>::T* __restrict g, int64_t n, float s,
                  const float* __restrict fac, float keep, float ib2, const Hyper& h,
                  int64_t first, uint32_t pk) {
-  const BlockDen<kFac> den{s, fac, keep};
-  auto group = [&](int64_t i, int64_t k) {
-    const BlockDen<kFac> d = den.from(i);
-    int any = 0;
-#pragma omp simd reduction(| : any)
-    for (int64_t j = 0; j < k; ++j)
-      any |= turns(d.s_at(j), buf[i + j], Elem<GT>::get(g[i + j]), d.keep_at(j), ib2);
-    step_group<PT, GT>(any != 0, buf + i, p + i, g + i, k, d, ib2, h, first + i, pk);
-  };
-  int64_t i = 0;
-  for (; i + kGroup <= n; i += kGroup) group(i, kGroup);
-  if (i < n) group(i, n - i);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float m = buf[i];
+    const float pi = Elem<PT>::get(p[i]) * h.decay;
+    const float d = overshoot(kFac ? s * fac[i] : s, m, Elem<GT>::get(g[i]), keep, ib2, h.eps);
+    p[i] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + i), pk);
+  }
 }
 
 #ifdef __AVX512F__
@@ -1069,29 +995,22 @@ inline double column_stats(const float* __restrict buf, const typename Elem<GT>:
 
 // Pass 2: the same m again, into buf, and the parameter step with ``overshoot``'s denominator
 // for each column's s and keep: s = col[k] (sqrt(v) / bc2), or with kFac col[k] * fr (``col``
-// holds sqrt(v) per column and the row's factor ``fr`` completes it). In groups of kGroup, as
-// move: one loop writes m and tests turns(), then step_group steps.
+// holds sqrt(v) per column and the row's factor ``fr`` completes it)
 template <int PT, int GT, bool kLow, bool kFac>
 inline void column_move(float* __restrict buf, typename Elem<PT>::T* __restrict p,
                         const typename Elem<GT>::T* __restrict g, const float* __restrict absmax,
                         const float* __restrict col, const float* __restrict keep, float fr,
                         float ib2, int64_t n, const Hyper& h, int64_t first, uint32_t pk) {
   const float w1 = 1.0f - h.w;
-  auto group = [&](int64_t i, int64_t k) {
-    const ColumnDen<kFac> d{col + i, fr, keep + i};
-    int any = 0;
-#pragma omp simd reduction(| : any)
-    for (int64_t j = 0; j < k; ++j) {
-      const float gj = Elem<GT>::get(g[i + j]);
-      const float m = lerp<kLow>(buf[i + j] * absmax[i + j], gj, h.w, w1);
-      buf[i + j] = m;
-      any |= turns(d.s_at(j), m, gj, d.keep_at(j), ib2);
-    }
-    step_group<PT, GT>(any != 0, buf + i, p + i, g + i, k, d, ib2, h, first + i, pk);
-  };
-  int64_t i = 0;
-  for (; i + kGroup <= n; i += kGroup) group(i, kGroup);
-  if (i < n) group(i, n - i);
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) {
+    const float gk = Elem<GT>::get(g[k]);
+    const float m = lerp<kLow>(buf[k] * absmax[k], gk, h.w, w1);
+    buf[k] = m;
+    const float pi = Elem<PT>::get(p[k]) * h.decay;
+    const float d = overshoot(kFac ? col[k] * fr : col[k], m, gk, keep[k], ib2, h.eps);
+    p[k] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + k), pk);
+  }
 }
 
 // Column segments (block size -P): block k holds the segment's elements i = k mod P, so the

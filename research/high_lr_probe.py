@@ -14,6 +14,11 @@ the per-segment updates wrapped, and records per tensor and step:
 
 AdamW's own ``upd`` per tensor comes from the same seed's AdamW run.
 
+The probe's contiguous-block update is its own copy of the reference's as it was before the
+update took ``split_osc`` as its overshoot rule (``reference.overshoot_denominator``): every
+variant, ``ref`` included, steps contiguous blocks without the rule unless it names ``split_osc``;
+column-blocked tensors go through the reference's ``column_update``, rule included.
+
 Variants (``variant``, also used by ``research/high_lr_rnn.py --variant``):
 ``ref`` (reference backend only), ``per_element`` (B = 1 everywhere: bf16 m and v),
 ``no_factor`` (no ``v_cross``), ``exact_m`` (m kept in fp32 beside the codes, used instead of
