@@ -19,12 +19,15 @@ import math
 import statistics
 from collections import defaultdict
 
-WITHIN_BEST, GOAL = 0.20, 0.05
+from gefen_dist.bench.sweep import TRAINS_WITHIN as WITHIN_BEST
+from gefen_dist.bench.sweep import final_loss
+
+GOAL = 0.05
 
 
 def load(path: str, revision: str | None) -> tuple[str, list[dict]]:
     recs = [json.loads(line) for line in open(path) if line.strip()]
-    recs = [r for r in recs if r.get("status") == "ok" and r.get("final")]
+    recs = [r for r in recs if final_loss(r) is not None]
     rev = revision or max(recs, key=lambda r: r["time"])["revision"]
     return rev, [r for r in recs if r["revision"].startswith(rev)]
 
@@ -32,34 +35,33 @@ def load(path: str, revision: str | None) -> tuple[str, list[dict]]:
 def table(recs: list[dict], optimizers: list[str]) -> list[str]:
     loss: dict[tuple, float] = {}
     for r in recs:
-        loss[(r["task"], r["optimizer"], r["lr_factor"], r["seed"])] = r["final"]["val_loss"]
-    grid: dict[str, set[float]] = defaultdict(set)
-    for task, opt, f, _ in loss:
+        loss[(r["task"], r["optimizer"], r["lr_factor"], r["seed"])] = final_loss(r)
+    # AdamW's seeds per (task, grid factor): the grid, and the seeds every pairing runs over
+    seeds: dict[tuple[str, float], list[int]] = defaultdict(list)
+    for task, opt, f, s in sorted(loss):
         if opt == "adamw":
-            grid[task].add(f)
+            seeds[(task, f)].append(s)
     head = "| task | lr (x task lr) | AdamW (seeds) | vs its best | "
     head += " | ".join(f"{o} - AdamW" for o in optimizers) + " |"
     out = [head, "|" + "---|" * (4 + len(optimizers))]
-    for task in sorted(grid):
-        means = {}
-        for f in grid[task]:
-            seeds = [s for (t, o, g, s) in loss if (t, o, g) == (task, "adamw", f)]
-            means[f] = statistics.mean(loss[(task, "adamw", f, s)] for s in seeds)
-        best = min(means.values())
-        for f in sorted(grid[task]):
-            above = means[f] / best - 1
-            seeds = sorted(s for (t, o, g, s) in loss if (t, o, g) == (task, "adamw", f))
+    means = {
+        k: statistics.mean(loss[(k[0], "adamw", k[1], s)] for s in ss) for k, ss in seeds.items()
+    }
+    for task in sorted({t for t, _ in seeds}):
+        best = min(m for (t, _), m in means.items() if t == task)
+        for f in sorted(f for t, f in seeds if t == task):
+            above = means[(task, f)] / best - 1
             cells = []
             for o in optimizers:
                 gaps = [
                     100 * (loss[(task, o, f, s)] / loss[(task, "adamw", f, s)] - 1)
-                    for s in seeds
+                    for s in seeds[(task, f)]
                     if (task, o, f, s) in loss
                 ]
                 cells.append(_cell(gaps, above <= WITHIN_BEST))
             trains = "" if above <= WITHIN_BEST else " (AdamW off)"
-            n = len(seeds)
-            row = f"| {task} | x{f:g} | {means[f]:.4f} ({n}) | {100 * above:+.1f} %{trains}"
+            mean, n = means[(task, f)], len(seeds[(task, f)])
+            row = f"| {task} | x{f:g} | {mean:.4f} ({n}) | {100 * above:+.1f} %{trains}"
             out.append(row + " | " + " | ".join(cells) + " |")
     return out
 
