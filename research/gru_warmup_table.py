@@ -1,0 +1,42 @@
+"""The table of ``research/gru_warmup.py``'s records: per seed and arm, the final val loss over
+the init perturbations (mean ± standard error, range) and its gap to AdamW's mean on that seed.
+
+    python research/gru_warmup_table.py research/results/gru_warmup.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+
+def arm(optimizer: str) -> str:
+    """The record's optimizer without its perturbation: ``gefen8~3-adamw:x`` is arm
+    ``gefen8-adamw:x``; an unperturbed run counts as one more draw of its arm."""
+    head, _, rest = optimizer.partition("~")
+    return head + rest.lstrip("0123456789")
+
+
+def main(path: str) -> None:
+    runs: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for line in open(path):
+        if line.strip():
+            r = json.loads(line)
+            runs[(r["seed"], arm(r["optimizer"]))].append(r["final"]["val_loss"])
+    print("| seed | arm | runs | val loss | range | vs AdamW's mean |")
+    print("|---|---|---|---|---|---|")
+    for seed, name in sorted(runs, key=lambda k: (k[0], k[1] != "adamw", k[1])):
+        v = runs[(seed, name)]
+        ref = statistics.mean(runs[(seed, "adamw")]) if (seed, "adamw") in runs else float("nan")
+        se = statistics.stdev(v) / len(v) ** 0.5 if len(v) > 1 else float("nan")
+        m = statistics.mean(v)
+        print(
+            f"| {seed} | {name} | {len(v)} | {m:.4f} ± {se:.4f} | {min(v):.4f}-{max(v):.4f} "
+            f"| {100 * (m / ref - 1):+.1f} % |"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
