@@ -1,5 +1,6 @@
-"""The table of ``research/gru_warmup.py``'s records: per seed and arm, the final val loss over
-the init perturbations (mean ± standard error, range) and its gap to AdamW's mean on that seed.
+"""The table of ``research/gru_warmup.py``'s records: per task, lr, seed and arm, the final val
+loss over the init perturbations (mean ± standard error, range) and its gap to AdamW's mean on
+that seed.
 
     python research/gru_warmup_table.py research/results/gru_warmup.jsonl
 """
@@ -20,21 +21,23 @@ def arm(optimizer: str) -> str:
 
 
 def main(path: str) -> None:
-    runs: dict[tuple[int, str], list[float]] = defaultdict(list)
+    runs: dict[tuple[str, int, str], list[float]] = defaultdict(list)
     for line in open(path):
         if line.strip():
             r = json.loads(line)
-            runs[(r["seed"], arm(r["optimizer"]))].append(r["final"]["val_loss"])
-    print("| seed | arm | runs | val loss | range | vs AdamW's mean |")
-    print("|---|---|---|---|---|---|")
-    for seed, name in sorted(runs, key=lambda k: (k[0], k[1] != "adamw", k[1])):
-        v = runs[(seed, name)]
-        ref = statistics.mean(runs[(seed, "adamw")]) if (seed, "adamw") in runs else float("nan")
+            cell = f"{r['task']} {r['lr']:g}"
+            runs[(cell, r["seed"], arm(r["optimizer"]))].append(r["final"]["val_loss"])
+    print("| task, lr | seed | arm | runs | val loss | range | vs AdamW's mean |")
+    print("|---|---|---|---|---|---|---|")
+    for cell, seed, name in sorted(runs, key=lambda k: (k[0], k[1], k[2] != "adamw", k[2])):
+        v = runs[(cell, seed, name)]
+        a = runs.get((cell, seed, "adamw"))
+        ref = statistics.mean(a) if a else float("nan")
         se = statistics.stdev(v) / len(v) ** 0.5 if len(v) > 1 else float("nan")
         m = statistics.mean(v)
         print(
-            f"| {seed} | {name} | {len(v)} | {m:.4f} ± {se:.4f} | {min(v):.4f}-{max(v):.4f} "
-            f"| {100 * (m / ref - 1):+.1f} % |"
+            f"| {cell} | {seed} | {name} | {len(v)} | {m:.4f} ± {se:.4f} "
+            f"| {min(v):.4f}-{max(v):.4f} | {100 * (m / ref - 1):+.1f} % |"
         )
 
 
