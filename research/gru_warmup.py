@@ -1,54 +1,52 @@
-"""gru_wide at 3x: what the first steps of warmup do to the runs that stall (issue 43).
+"""gru_wide at 3x: is a bad seed a property of the seed, which tensor's state does it, and when
+(issue 43; ``research/results/gru_warmup.md``).
 
 Why: at lr 0.03 some seeds of gru_wide stall between steps 50 and 200 under Gefen while AdamW
-trains on, and per-element state from step 1 recovers them where per-element state switched on
-at step ~20 does not. This trains one seed with one optimizer for the first ``--switch`` steps
-and another after (``--first``, ``--then``; the second is built fresh at the switch, as a user's
-restart would build it), and logs every ``--every`` steps per tensor: the weight's RMS, the
-step's RMS over lr, the gradient norm before the clip, and the spectral norm of each gate's
-block of the recurrent matrix.
+trains on. This trains one seed of a recurrent task and can perturb its init by 1e-6 per weight
+(``--jitter``: another draw of the same seed), let AdamW step the tensors named by
+``--adamw-on`` (for its first ``--adamw-until`` steps only, then a fresh ``--first`` there), or
+switch the whole model to a fresh ``--then`` after ``--switch`` steps. It logs every ``--every``
+steps per tensor: the weight's RMS, the step's RMS and max over lr, the gradient norm before the
+clip, and the spectral norm of each gate's block of the recurrent matrix.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python research/gru_warmup.py --seed 1 --first gefen8 \
-        --switch 20 --then adamw --out research/results/gru_warmup.jsonl
+        --adamw-on rnn.weight_hh --jitter 0 --out research/results/gru_warmup.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import time
 from dataclasses import replace
 
 import torch
 
-from gefen_dist.bench import peers, tasks
+from gefen_dist.bench import peers, store, tasks
 
 
-def _rev() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
+def run_name(first: str, switch: int, then: str, jit: int, adamw_on: str, adamw_until: int) -> str:
+    """A record's ``optimizer``: ``first``, then ``>switch>then``, ``~jitter``, ``-adamw:names``,
+    ``<=until`` where each applies. ``arm`` reads it back."""
+    name = first + (f">{switch}>{then}" if then else "")
+    name += f"~{jit}" if jit >= 0 else ""
+    name += f"-adamw:{adamw_on}" if adamw_on else ""
+    return name + (f"<={adamw_until}" if adamw_until else "")
 
 
-def _build(
-    name: str, model: torch.nn.Module, h: tasks.Hyper, info: dict, adamw_on: str = "", only=""
-):
-    """The optimizers of one step: ``name`` over every tensor but those whose name holds one of
-    ``adamw_on``'s comma-separated parts, which AdamW steps; with ``only``, ``name`` over those
-    tensors alone (fresh state: the switch of ``--adamw-until``)."""
-    kw = dict(betas=h.betas, weight_decay=h.weight_decay, **info)
-    parts = [x for x in (adamw_on or only).split(",") if x]
-    mine = [p for n, p in model.named_parameters() if not any(x in n for x in parts)]
-    other = [p for n, p in model.named_parameters() if any(x in n for x in parts)]
-    if only:
-        return [peers.build(name, model, h.lr, params=other, **kw)]
-    opts = [peers.build(name, model, h.lr, params=mine, **kw)]
-    if other:
-        opts.append(peers.build("adamw", model, h.lr, params=other, **kw))
-    return opts
+def arm(name: str) -> str:
+    """``run_name`` without its perturbation (``gefen8~3-adamw:x`` -> ``gefen8-adamw:x``): the
+    runs of one arm are draws of one distribution, an unperturbed run included."""
+    head, _, rest = name.partition("~")
+    return head + rest.lstrip("0123456789")
+
+
+def _split(model: torch.nn.Module, names: str) -> tuple[list, list]:
+    """The parameters whose name holds none of ``names``' comma-separated parts, and the rest."""
+    parts = [x for x in names.split(",") if x]
+    named = list(model.named_parameters())
+    mine = [p for n, p in named if not any(x in n for x in parts)]
+    return mine, [p for n, p in named if any(x in n for x in parts)]
 
 
 def _gates(w: torch.Tensor, n: int) -> list[float]:
@@ -86,16 +84,25 @@ def run(
     if jit >= 0:
         jitter(model, jit)
     names = dict(model.named_parameters())
-    opts = _build(first, model, h, inst.model_info, adamw_on)
+    kw = dict(betas=h.betas, weight_decay=h.weight_decay, **inst.model_info)
+    mine, other = _split(model, adamw_on)
+
+    def build(name: str) -> list:
+        """``name`` over ``mine``, and a fresh AdamW over ``other`` where there is one."""
+        opts = [peers.build(name, model, h.lr, params=mine, **kw)]
+        return opts + ([peers.build("adamw", model, h.lr, params=other, **kw)] if other else [])
+
+    opts = build(first)
     gates = 3 if t.sizes["cell"] == "gru" else 4
     log, curve = [], []
     for s in range(1, h.steps + 1):
         if s == switch + 1 and then:
-            opts = _build(then, model, h, inst.model_info, adamw_on)
+            opts = build(then)
         if s == adamw_until + 1 and adamw_until:
-            opts = opts[:1] + _build(first, model, h, inst.model_info, only=adamw_on)
+            opts = opts[:1] + [peers.build(first, model, h.lr, params=other, **kw)]
+        factor = tasks.lr_factor(s - 1, h)
         for opt in opts:
-            peers.set_lr(opt, tasks.lr_factor(s - 1, h))
+            peers.set_lr(opt, factor)
         watch = s % every == 0 or s <= 5
         before = {k: p.detach().clone() for k, p in names.items()} if watch else None
         loss = inst.loss(model, next(inst.batches))
@@ -105,7 +112,7 @@ def run(
         for opt in opts:
             opt.step()
         if watch:
-            cur_lr = h.lr * tasks.lr_factor(s - 1, h)
+            cur_lr = h.lr * factor
             row = dict(step=s, loss=loss.item(), gnorm=gnorm, lr=cur_lr, tensors={})
             for k, p in names.items():
                 d = (p.detach() - before[k]).float()
@@ -151,10 +158,7 @@ def main() -> None:
         a.adamw_on,
         a.adamw_until,
     )
-    name = a.first + (f">{a.switch}>{a.then}" if a.then else "")
-    name += f"~{a.jitter}" if a.jitter >= 0 else ""
-    name += f"-adamw:{a.adamw_on}" if a.adamw_on else ""
-    name += f"<={a.adamw_until}" if a.adamw_until else ""
+    name = run_name(a.first, a.switch, a.then, a.jitter, a.adamw_on, a.adamw_until)
     rec = dict(
         key=f"{a.task}|{a.lr}|{name}|{a.seed}",
         task=a.task,
@@ -163,8 +167,8 @@ def main() -> None:
         seed=a.seed,
         **body,
         seconds=time.time() - t0,
-        rev=_rev(),
-        machine=platform.processor() or platform.machine(),
+        rev=store.revision()["head"][:7],
+        machine=store.cpu_model(),
     )
     with open(a.out, "a") as f:
         f.write(json.dumps(rec) + "\n")

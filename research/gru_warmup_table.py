@@ -2,7 +2,7 @@
 loss over the init perturbations (mean ± standard error, range) and its gap to AdamW's mean on
 that seed.
 
-    python research/gru_warmup_table.py research/results/gru_warmup.jsonl
+    PYTHONPATH=. python research/gru_warmup_table.py research/results/gru_warmup.jsonl
 """
 
 from __future__ import annotations
@@ -12,12 +12,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-
-def arm(optimizer: str) -> str:
-    """The record's optimizer without its perturbation: ``gefen8~3-adamw:x`` is arm
-    ``gefen8-adamw:x``; an unperturbed run counts as one more draw of its arm."""
-    head, _, rest = optimizer.partition("~")
-    return head + rest.lstrip("0123456789")
+from research.gru_warmup import arm
 
 
 def main(path: str) -> None:
