@@ -23,14 +23,24 @@ from dataclasses import replace
 import torch
 
 from gefen_dist.bench import peers, store, tasks
+from research.rank_v import RankV
 
 
-def run_name(first: str, switch: int, then: str, jit: int, adamw_on: str, adamw_until: int) -> str:
-    """A record's ``optimizer``: ``first``, then ``>switch>then``, ``~jitter``, ``-adamw:names``,
-    ``<=until`` where each applies. ``arm`` reads it back."""
+def run_name(
+    first: str,
+    switch: int,
+    then: str,
+    jit: int,
+    adamw_on: str,
+    adamw_until: int,
+    other: str,
+) -> str:
+    """A record's ``optimizer``: ``first``, then ``>switch>then``, ``~jitter``, ``-other:names``
+    (``other`` is ``adamw`` unless ``--other`` says), ``<=until`` where each applies. ``arm``
+    reads it back."""
     name = first + (f">{switch}>{then}" if then else "")
     name += f"~{jit}" if jit >= 0 else ""
-    name += f"-adamw:{adamw_on}" if adamw_on else ""
+    name += f"-{other}:{adamw_on}" if adamw_on else ""
     return name + (f"<={adamw_until}" if adamw_until else "")
 
 
@@ -74,6 +84,7 @@ def run(
     jit: int = -1,
     adamw_on: str = "",
     adamw_until: int = 0,
+    other: str = "adamw",
 ) -> dict:
     torch.set_num_threads(1)
     t = tasks.TASKS[task]
@@ -85,12 +96,17 @@ def run(
         jitter(model, jit)
     names = dict(model.named_parameters())
     kw = dict(betas=h.betas, weight_decay=h.weight_decay, **inst.model_info)
-    mine, other = _split(model, adamw_on)
+    mine, rest = _split(model, adamw_on)
 
     def build(name: str) -> list:
-        """``name`` over ``mine``, and a fresh AdamW over ``other`` where there is one."""
+        """``name`` over ``mine``, and a fresh AdamW (or ``rank_v``'s oracle) over ``rest``."""
         opts = [peers.build(name, model, h.lr, params=mine, **kw)]
-        return opts + ([peers.build("adamw", model, h.lr, params=other, **kw)] if other else [])
+        if not rest:
+            return opts
+        if other.startswith("rank:"):
+            form = other[5:]
+            return opts + [RankV(rest, h.lr, h.betas, h.weight_decay, form)]
+        return opts + [peers.build(other, model, h.lr, params=rest, **kw)]
 
     opts = build(first)
     gates = 3 if t.sizes["cell"] == "gru" else 4
@@ -99,7 +115,7 @@ def run(
         if s == switch + 1 and then:
             opts = build(then)
         if s == adamw_until + 1 and adamw_until:
-            opts = opts[:1] + [peers.build(first, model, h.lr, params=other, **kw)]
+            opts = opts[:1] + [peers.build(first, model, h.lr, params=rest, **kw)]
         factor = tasks.lr_factor(s - 1, h)
         for opt in opts:
             peers.set_lr(opt, factor)
@@ -143,6 +159,9 @@ def main() -> None:
     ap.add_argument(
         "--adamw-until", type=int, default=0, help="with --adamw-on: AdamW's last step there"
     )
+    ap.add_argument(
+        "--other", default="adamw", help="with --adamw-on: a peer's name or rank:FORM (rank_v.py)"
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     t0 = time.time()
@@ -157,8 +176,9 @@ def main() -> None:
         a.jitter,
         a.adamw_on,
         a.adamw_until,
+        a.other,
     )
-    name = run_name(a.first, a.switch, a.then, a.jitter, a.adamw_on, a.adamw_until)
+    name = run_name(a.first, a.switch, a.then, a.jitter, a.adamw_on, a.adamw_until, a.other)
     rec = dict(
         key=f"{a.task}|{a.lr}|{name}|{a.seed}",
         task=a.task,

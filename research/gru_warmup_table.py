@@ -1,6 +1,6 @@
 """The table of ``research/gru_warmup.py``'s records: per task, lr, seed and arm, the final val
 loss over the init perturbations (mean ± standard error, range) and its gap to AdamW's mean on
-that seed.
+that seed. Several files read as one (another study's arms against the AdamW runs stored here).
 
     PYTHONPATH=. python research/gru_warmup_table.py research/results/gru_warmup.jsonl
 """
@@ -15,9 +15,9 @@ from collections import defaultdict
 from research.gru_warmup import arm
 
 
-def main(path: str) -> None:
+def main(*paths: str) -> None:
     runs: dict[tuple[str, int, str], list[float]] = defaultdict(list)
-    for line in open(path):
+    for line in (x for path in paths for x in open(path)):
         if line.strip():
             r = json.loads(line)
             cell = f"{r['task']} {r['lr']:g}"
@@ -37,4 +37,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
