@@ -41,7 +41,8 @@
 #define GEFEN_META(X)                                                                      \
   X(P) X(G) X(CODES) X(ABSMAX) X(V) X(LEVELS) X(MIDS) X(START) X(NUMEL) X(BLOCK) X(BITS)  \
   X(P_DTYPE) X(G_DTYPE) X(EXP_AVG) X(EXP_AVG_SQ) X(N_LEVELS) X(STEP_KEY) X(FACTOR) X(V_CROSS)
-#define GEFEN_HYP(X) X(BETA1) X(W) X(BETA2) X(A2) X(DECAY) X(NEG_STEP) X(BC2) X(EPS) X(BC1)
+#define GEFEN_HYP(X) \
+  X(BETA1) X(W) X(BETA2) X(A2) X(DECAY) X(NEG_STEP) X(BC2) X(EPS) X(BC1) X(G_FLOOR)
 #define GEFEN_CROSS(X)                                                                     \
   X(G) X(G_DTYPE) X(START) X(NUMEL) X(BLOCK) X(LENGTH) X(V) X(SUMS) X(COUNTS) X(V_CROSS)  \
   X(OUT) X(PART) X(CHUNKS)
@@ -69,7 +70,7 @@ namespace {
 using namespace DType;
 
 struct Hyper {
-  float beta1, w, beta2, a2, decay, neg_step, bc2, eps, bc1;
+  float beta1, w, beta2, a2, decay, neg_step, bc2, eps, bc1, g_floor;
 };
 
 inline float bf16_to_f32(uint16_t h) {
@@ -673,15 +674,16 @@ inline float mean_sq(const float* f, int64_t n) {
   return static_cast<float>(s / static_cast<double>(n));
 }
 
-// reference.overshoot_denominator plus eps, for one element of shared denominator s: s, and where
-// this step's g opposes m, at least sqrt(s^2 keep + m^2 ib2). The split and the max are taken on
+// reference.denominator plus eps, for one element of shared denominator s: s, and where
+// this step's g opposes m, at least sqrt(s^2 keep + m^2 ib2); everywhere at least AdamW's floor
+// |g| g_floor (Hyper::g_floor: sqrt(1 - beta2) / sqrt(1 - beta2^t)). The split and the max are taken on
 // every lane and the sign test only picks, so the loops around it vectorise: a max taken only
 // where the test holds is a conditional compare, which GCC will not speculate (it may trap), and
 // that kept them scalar. (The square root vectorises because the build has -fno-math-errno.)
-inline float overshoot(float s, float m, float g, float keep, float ib2, float eps) {
+inline float overshoot(float s, float m, float g, float keep, float ib2, const Hyper& h) {
   const float split = std::sqrt(s * s * keep + ib2 * m * m);
   const float wide = std::max(s, split);
-  return (g * m < 0.0f ? wide : s) + eps;
+  return std::max(g * m < 0.0f ? wide : s, std::fabs(g) * h.g_floor) + h.eps;
 }
 
 // A block's loop 1: m = lerp(level * old, g) of its n elements, the levels read from buf and m
@@ -713,7 +715,7 @@ inline void move(const float* __restrict buf, typename Elem<PT>::T* __restrict p
   for (int64_t i = 0; i < n; ++i) {
     const float m = buf[i];
     const float pi = Elem<PT>::get(p[i]) * h.decay;
-    const float d = overshoot(kFac ? s * fac[i] : s, m, Elem<GT>::get(g[i]), keep, ib2, h.eps);
+    const float d = overshoot(kFac ? s * fac[i] : s, m, Elem<GT>::get(g[i]), keep, ib2, h);
     p[i] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + i), pk);
   }
 }
@@ -1008,7 +1010,7 @@ inline void column_move(float* __restrict buf, typename Elem<PT>::T* __restrict 
     const float m = lerp<kLow>(buf[k] * absmax[k], gk, h.w, w1);
     buf[k] = m;
     const float pi = Elem<PT>::get(p[k]) * h.decay;
-    const float d = overshoot(kFac ? col[k] * fr : col[k], m, gk, keep[k], ib2, h.eps);
+    const float d = overshoot(kFac ? col[k] * fr : col[k], m, gk, keep[k], ib2, h);
     p[k] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + k), pk);
   }
 }
@@ -1199,6 +1201,7 @@ static_assert(offsetof(Hyper, neg_step) == Hyp::NEG_STEP * sizeof(float), "Hyp::
 static_assert(offsetof(Hyper, bc2) == Hyp::BC2 * sizeof(float), "Hyp::BC2");
 static_assert(offsetof(Hyper, eps) == Hyp::EPS * sizeof(float), "Hyp::EPS");
 static_assert(offsetof(Hyper, bc1) == Hyp::BC1 * sizeof(float), "Hyp::BC1");
+static_assert(offsetof(Hyper, g_floor) == Hyp::G_FLOOR * sizeof(float), "Hyp::G_FLOOR");
 constexpr int64_t kDenseTile = 16384;
 
 using BlockFn = void (*)(const Segment&, int64_t, int64_t, float*, float*, int32_t*);

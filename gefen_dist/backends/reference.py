@@ -65,6 +65,14 @@ over the block are two more sums per block (mean(s^2) = sqrt(v_b)^2 times the bl
 f^2, f = sqrt(c) / sqrt(1 - b2^t), where factored). Measured:
 ``research/results/high_lr_osc.md`` (the probe's ``split_osc``).
 
+AdamW's floor (``adamw_floor``, after the overshoot rule in ``denominator``): AdamW's v takes
+1 - b2 of this step's g^2, so its sqrt(v-hat) is never below |g_ij| sqrt(1 - b2) / sqrt(1 - b2^t)
+(``Hyper.g_floor``; at the first step, |g_ij| itself). Every element's denominator is at least
+that too. The factor is read a step late, so a column whose g^2 jumps this step is in AdamW's v
+but not yet in c: without the floor its elements step as if it had not jumped, which on a GRU at
+three times its best lr left runs stalled far behind AdamW's (``research/results/rank_v.md``).
+No constant and no state: g is read by the update anyway.
+
 The parameter moves with the unquantised m of this step; only what is stored is quantised, so the
 quantisation error enters once per step instead of compounding through the update. Segments with
 B = 1 follow torch.optim.AdamW's operations and keep m and v in bf16, stochastically rounded
@@ -264,7 +272,7 @@ def _update_blocks(p, g, st, a, b, blocks, h, levels, mids, bits, f) -> None:
         shared = sv[:, None] * f[None, :]
         ss = sv.square() * f.square().mean()
     keep = block_keep((m / h.bc1).square().mean(dim=1), ss)
-    denom = overshoot_denominator(shared, m, g32, keep[:, None], h).add_(h.eps)
+    denom = denominator(shared, m, g32, keep[:, None], h).add_(h.eps)
     p32.addcdiv_(m, denom, value=-h.step_size)
     write_param(p, p32, h.bf16_stochastic_round, h.step, st.start + a)
     amax = m.abs().amax(dim=1)
@@ -285,10 +293,22 @@ def block_keep(mean_m2: torch.Tensor, mean_s2: torch.Tensor) -> torch.Tensor:
 def overshoot_denominator(
     shared: torch.Tensor, m: torch.Tensor, g: torch.Tensor, keep: torch.Tensor, h: Hyper
 ) -> torch.Tensor:
-    """The denominator before eps: ``shared`` (the block's sqrt(v), times the factor), and
-    where this step's gradient opposes m, at least sqrt(shared^2 keep + m_hat^2)."""
+    """``shared`` (the block's sqrt(v), times the factor), and where this step's gradient
+    opposes m, at least sqrt(shared^2 keep + m_hat^2)."""
     split = (shared.square() * keep).addcmul_(m, m, value=1.0 / h.bc1**2).sqrt_()
     return torch.where(m * g < 0, torch.maximum(shared, split), shared)
+
+
+def adamw_floor(d: torch.Tensor, g: torch.Tensor, h: Hyper) -> torch.Tensor:
+    """``d``, at least |g| sqrt(1 - b2) / sqrt(1 - b2^t) (module docstring, "AdamW's floor")."""
+    return torch.maximum(d, g.abs() * h.g_floor)
+
+
+def denominator(
+    shared: torch.Tensor, m: torch.Tensor, g: torch.Tensor, keep: torch.Tensor, h: Hyper
+) -> torch.Tensor:
+    """A blocked element's denominator before eps: the overshoot rule's, then AdamW's floor."""
+    return adamw_floor(overshoot_denominator(shared, m, g, keep, h), g, h)
 
 
 def requantize(
@@ -350,7 +370,7 @@ def column_update(
             shared = col[None, :w].expand_as(m)
         else:
             shared = sqrt_v[None, :w] * _row_factor(f, st.start + a, m.shape[0], w, period)
-        d = overshoot_denominator(shared, m, g32, keep[None, :w], h).add_(h.eps)
+        d = denominator(shared, m, g32, keep[None, :w], h).add_(h.eps)
         p32.addcdiv_(m, d, value=-h.step_size)
         write_param(pc, p32, h.bf16_stochastic_round, h.step, st.start + a)
         codes = requantize(m / scale[:w], st.start + a, h.step, levels, mids, bits)

@@ -101,6 +101,8 @@ class Hyp(IntEnum):
     EPS = 7
     BC1 = 8
     """1 - beta1^t."""
+    G_FLOOR = 9
+    """sqrt(1 - beta2) / sqrt(1 - beta2^t): AdamW's floor on the denominator per |g|."""
 
 
 class Cross(IntEnum):
@@ -283,6 +285,7 @@ def hyper_row(h: Hyper) -> list[float]:
             Hyp.BC2: h.bc2_sqrt,
             Hyp.EPS: h.eps,
             Hyp.BC1: h.bc1,
+            Hyp.G_FLOOR: h.g_floor,
         },
         Hyp,
     )

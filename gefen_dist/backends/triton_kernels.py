@@ -66,6 +66,7 @@ H_NEG_STEP = tl.constexpr(int(Hyp.NEG_STEP))
 H_BC2 = tl.constexpr(int(Hyp.BC2))
 H_EPS = tl.constexpr(int(Hyp.EPS))
 H_BC1 = tl.constexpr(int(Hyp.BC1))
+H_G_FLOOR = tl.constexpr(int(Hyp.G_FLOOR))
 H_COLS = tl.constexpr(len(Hyp))
 
 # Aux: triton_backend.step_plan
@@ -616,11 +617,13 @@ def _element(
     fac = tl.load(m + M_FACTOR)
     if fac != 0:
         s = s * tl.load(fac.to(tl.pointer_type(tl.float32)) + fi, mask=mask, other=1.0)
-    # where g opposes m, at least sqrt(s^2 keep + m_hat^2) (reference.overshoot_denominator)
+    # where g opposes m, at least sqrt(s^2 keep + m_hat^2); everywhere at least |g| g_floor
+    # (reference.denominator)
     keep = tl.load(scr_keep + scr + j, mask=mask, other=0.0)
     mh = tl.math.div_rn(mi, tl.load(h + H_BC1))
     split = tl.math.sqrt_rn(s * s * keep + mh * mh)
-    d = tl.where(g * mi < 0.0, tl.maximum(s, split), s) + tl.load(h + H_EPS)
+    d = tl.where(g * mi < 0.0, tl.maximum(s, split), s)
+    d = tl.maximum(d, tl.abs(g) * tl.load(h + H_G_FLOOR)) + tl.load(h + H_EPS)
     x = pi + tl.load(h + H_NEG_STEP) * tl.math.div_rn(mi, d)
     _st_param(p_addr, e, mask, x, pt, start + e, _param_key(key))
     amax = tl.load(scr_amax + scr + j, mask=mask, other=1.0)

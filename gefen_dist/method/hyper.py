@@ -42,3 +42,9 @@ class Hyper:
     @property
     def bc2_sqrt(self) -> float:
         return math.sqrt(1.0 - self.beta2**self.step)
+
+    @property
+    def g_floor(self) -> float:
+        """sqrt(1 - beta2) / sqrt(1 - beta2^t): AdamW's sqrt(v-hat) is never below this times the
+        step's |g| (its v takes 1 - beta2 of g^2), so no shared denominator may be either."""
+        return math.sqrt(1.0 - self.beta2) / self.bc2_sqrt
