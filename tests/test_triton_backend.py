@@ -123,8 +123,8 @@ class Twin:
         """The blocked update's denominator with eps, per element: the shared s (sqrt(v) / bc2,
         or sqrt(v) times the element's factor entry ``fe``) and, where g opposes m (unless
         ``rule`` is False), at least sqrt(s^2 keep + m_hat^2), keep from the block's fp64 sums
-        of m_hat^2 and f^2 (``_new_block``, ``_element``)."""
-        bc1, bc2, eps = _hyp(h, Hyp.BC1, Hyp.BC2, Hyp.EPS)
+        of m_hat^2 and f^2 (``_new_block``, ``_element``); everywhere at least |g| g_floor."""
+        bc1, bc2, eps, gf = _hyp(h, Hyp.BC1, Hyp.BC2, Hyp.EPS, Hyp.G_FLOOR)
         nb = sv.size
         mh = mi / bc1
         mean_m2 = np.bincount(j, weights=mh.astype(np.float64) ** 2, minlength=nb) / count
@@ -140,7 +140,7 @@ class Twin:
         keep = keep.astype(F32)
         split = np.sqrt(s * s * keep[j] + mh * mh)
         turned = (gi * mi < 0) if rule else np.zeros(mi.shape, bool)
-        return np.where(turned, np.maximum(s, split), s) + eps
+        return np.maximum(np.where(turned, np.maximum(s, split), s), np.abs(gi) * gf) + eps
 
     @classmethod
     def blocks(cls, p, g, st, h, levels, mids, bits, f):
