@@ -9,20 +9,38 @@ points, acc - AdamW's acc (the suite's figure for its classifiers).
     python ../paired.py --against gefen4+ref high_lr_best.jsonl high_lr_head.jsonl
     python ../paired.py --metric val_acc high_lr_head.jsonl
 
-Records (one JSON per line) need ``task``, ``lr``, ``optimizer``, ``seed``, ``status`` and
-``final.val_loss``; AdamW's may come from any of the files given.
+Records (one JSON per line) need ``task``, ``lr`` (or the suite store's ``settings.hyper.lr``),
+``optimizer``, ``seed``, ``status`` and ``final.val_loss``; AdamW's may come from any of the files
+given. ``--by-revision`` names every other optimizer with the version of the package it ran (the
+suite store's code ``revision``, or for a record with only the HEAD it ran at, ``rev``, the last
+commit at or before it that changed ``gefen_dist/`` or ``csrc/``), so two versions of the package
+compare paired:
+
+    python research/paired.py --by-revision --against gefen8@eaa63e5 \
+        research/results/adamw_floor_suite/*/runs.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
+import subprocess
 from collections import defaultdict
 
 
-def load(paths: list[str], metric: str = "val_loss") -> dict[tuple, float]:
+@functools.cache
+def package(rev: str) -> str:
+    """The last commit at or before ``rev`` that changed the package."""
+    cmd = ["git", "log", "-1", "--format=%h", rev, "--", "gefen_dist", "csrc"]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def load(
+    paths: list[str], metric: str = "val_loss", by_revision: bool = False
+) -> dict[tuple, float]:
     out: dict[tuple, tuple[float, str]] = {}
     for path in paths:
         for line in open(path):
@@ -31,7 +49,11 @@ def load(paths: list[str], metric: str = "val_loss") -> dict[tuple, float]:
             r = json.loads(line)
             if r.get("status") != "ok" or metric not in r["final"]:
                 continue
-            key = (r["task"], float(r["lr"]), r["optimizer"], int(r["seed"]))
+            lr = r["lr"] if "lr" in r else r["settings"]["hyper"]["lr"]
+            opt = r["optimizer"]
+            if by_revision and opt != "adamw":
+                opt += "@" + (r["revision"][:7] if "revision" in r else package(r["rev"]))
+            key = (r["task"], float(lr), opt, int(r["seed"]))
             val = float(r["final"][metric])
             if key in out and out[key][0] != val:
                 raise ValueError(
@@ -86,6 +108,7 @@ if __name__ == "__main__":
     ap.add_argument("files", nargs="+")
     ap.add_argument("--against", default="", help="a baseline optimizer name, e.g. gefen4+ref")
     ap.add_argument("--metric", default="val_loss", choices=["val_loss", "val_acc"])
+    ap.add_argument("--by-revision", action="store_true", help="optimizer@revision, AdamW pooled")
     a = ap.parse_args()
-    runs = load(a.files, a.metric)
+    runs = load(a.files, a.metric, a.by_revision)
     print("\n".join(table(runs, a.against, points=a.metric == "val_acc")))
