@@ -676,7 +676,7 @@ inline float mean_sq(const float* f, int64_t n) {
 
 // reference.denominator plus eps, for one element of shared denominator s: s, and where
 // this step's g opposes m, at least sqrt(s^2 keep + m^2 ib2); everywhere at least AdamW's floor
-// |g| g_floor (Hyper::g_floor: sqrt(1 - beta2)). The split and the max are taken on
+// |g| g_floor (Hyper::g_floor: sqrt(1 - beta2) / sqrt(1 - beta2^t)). The split and the max are taken on
 // every lane and the sign test only picks, so the loops around it vectorise: a max taken only
 // where the test holds is a conditional compare, which GCC will not speculate (it may trap), and
 // that kept them scalar. (The square root vectorises because the build has -fno-math-errno.)

@@ -9,7 +9,7 @@ LSTM at that lr and check the bound on every blocked element of every step, for 
 that runs here, and that the same run without the rule breaks it (so the guard can fail).
 
 The second bound is AdamW's own floor (``reference.adamw_floor``): AdamW's sqrt(v-hat) is never
-below |g| sqrt(1 - b2), and neither may Gefen's denominator be. Without it the
+below |g| sqrt(1 - b2) / sqrt(1 - b2^t), and neither may Gefen's denominator be. Without it the
 factor, read a step late, let a column whose g^2 jumped step as if it had not, which stalled
 gru_wide at 3x its best lr (``research/results/rank_v.md``). So every blocked element's step is
 at most lr |m_hat| / (that floor): checked on the same runs, and broken without the floor.
@@ -135,9 +135,7 @@ def test_an_element_whose_gradient_turned_steps_at_most_lr(backend, bits):
 @pytest.mark.parametrize("backend", ["reference", "native"])
 def test_no_denominator_is_below_adamws_floor(backend, bits):
     b = _run(backend, bits)
-    # the floor binds (on the few elements whose g jumped past the shared v: the control below
-    # shows those would step over twice as far without it)
-    assert b.floored > 0, b
+    assert b.floored > 1000, b  # the floor binds on plenty of elements: the bound is exercised
     assert b.floor_excess <= 1e-4, b
 
 

@@ -66,9 +66,9 @@ f^2, f = sqrt(c) / sqrt(1 - b2^t), where factored). Measured:
 ``research/results/high_lr_osc.md`` (the probe's ``split_osc``).
 
 AdamW's floor (``adamw_floor``, after the overshoot rule in ``denominator``): AdamW's v takes
-1 - b2 of this step's g^2, so its sqrt(v), and sqrt(v-hat) above it, is never below
-|g_ij| sqrt(1 - b2) (``Hyper.g_floor``). Every element's denominator is at least that too. The
-factor is read a step late, so a column whose g^2 jumps this step is in AdamW's v
+1 - b2 of this step's g^2, so its sqrt(v-hat) is never below |g_ij| sqrt(1 - b2) / sqrt(1 - b2^t)
+(``Hyper.g_floor``; at the first step, |g_ij| itself). Every element's denominator is at least
+that too. The factor is read a step late, so a column whose g^2 jumps this step is in AdamW's v
 but not yet in c: without the floor its elements step as if it had not jumped, which on a GRU at
 three times its best lr left runs stalled far behind AdamW's (``research/results/rank_v.md``).
 No constant and no state: g is read by the update anyway.
@@ -300,7 +300,7 @@ def overshoot_denominator(
 
 
 def adamw_floor(d: torch.Tensor, g: torch.Tensor, h: Hyper) -> torch.Tensor:
-    """``d``, at least |g| sqrt(1 - b2) (module docstring, "AdamW's floor")."""
+    """``d``, at least |g| sqrt(1 - b2) / sqrt(1 - b2^t) (module docstring, "AdamW's floor")."""
     return torch.maximum(d, g.abs() * h.g_floor)
 
 

@@ -102,7 +102,7 @@ class Hyp(IntEnum):
     BC1 = 8
     """1 - beta1^t."""
     G_FLOOR = 9
-    """sqrt(1 - beta2): AdamW's floor on the denominator per |g| (``Hyper.g_floor``)."""
+    """sqrt(1 - beta2) / sqrt(1 - beta2^t): AdamW's floor on the denominator per |g|."""
 
 
 class Cross(IntEnum):

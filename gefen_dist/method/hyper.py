@@ -45,8 +45,6 @@ class Hyper:
 
     @property
     def g_floor(self) -> float:
-        """sqrt(1 - beta2): AdamW's v takes 1 - beta2 of this step's g^2, so its sqrt(v), and
-        its bias-corrected sqrt(v-hat) above it, is never below this times |g|; no shared
-        denominator may be either. (Not divided by sqrt(1 - beta2^t): that bound is AdamW's
-        whole first step, lr per element, and held Gefen's first steps to it.)"""
-        return math.sqrt(1.0 - self.beta2)
+        """sqrt(1 - beta2) / sqrt(1 - beta2^t): AdamW's sqrt(v-hat) is never below this times the
+        step's |g| (its v takes 1 - beta2 of g^2), so no shared denominator may be either."""
+        return math.sqrt(1.0 - self.beta2) / self.bc2_sqrt

@@ -34,7 +34,7 @@ def gefen(
     step's own on the first) when the tensor has at least
     MIN_CROSS_BLOCKS blocks, where this step's g opposes m at least s^2 keep + m_hat^2 (s^2
     that shared v-hat, keep = 1 - sum(m_hat^2) / sum(s^2) over the block, in [0, 1];
-    ``reference.denominator``), s^2 everywhere at least (1 - b2) g^2
+    ``reference.denominator``), s^2 everywhere at least (1 - b2) g^2 / (1 - b2^t)
     (AdamW's own floor), and an m stored as codebook level * absmax: the nearest
     level at 8 bits; at 4 bits one of the two around it, the upper one when u * spacing <
     distance above the lower, u = codes.uniforms(step, index in the tensor). With
@@ -78,7 +78,7 @@ def gefen(
         keep = (1 - ratio.nan_to_num(posinf=1.0)).clamp(0.0, 1.0)[ids]  # the block's noise share
         turned = m * g < 0  # this step's gradient opposes m: the last steps overshot
         s2 = torch.where(turned, torch.maximum(s2, s2 * keep + m_hat2), s2)
-        s2 = torch.maximum(s2, (1 - betas[1]) * g * g)  # AdamW's floor
+        s2 = torch.maximum(s2, (1 - betas[1]) * g * g / (1 - betas[1] ** t))  # AdamW's floor
         denom = s2.sqrt() + eps
         p = p - lr / (1 - betas[0] ** t) * m / denom
         if bf16_stochastic_round:  # p holds a bf16 tensor's values (fp32): its write rounds
