@@ -156,8 +156,8 @@ def test_a_checkpoint_in_the_per_rank_format_loads_with_plain_dcp(runs, world):
     row split cuts) saved on 2 ranks by gefen_dist before format 2 (docs/history.md). At 2 ranks
     each rank reads its own entry: the saved run's first loss exactly, the next within 1e-6 of
     the method's continuation from the saved state (``continued_revision`` in the data: the
-    overshoot rule of 2026-12-07 moved it by up to 3.6e-4; AdamW's floor after it binds nowhere
-    on these steps, docs/history.md). Elsewhere the
+    overshoot rule of 2026-12-07 moved it by up to 3.6e-4, AdamW's floor after it by up to
+    8.3e-4, docs/history.md). Elsewhere the
     template asks for every saved rank's entry and the pieces are re-cut
     (``integrations.rank_entries.recut``). In one process that is the state ``consolidate``
     and ``load_optimizer`` give, bit for bit (whose drift on this model is 5.0e-4 by the last
