@@ -676,11 +676,12 @@ inline float mean_sq(const float* f, int64_t n) {
 
 // reference.denominator plus eps, for one element of shared denominator s: s, and where
 // this step's g opposes m, at least sqrt(s^2 keep + m^2 ib2); everywhere at least AdamW's floor
-// |g| g_floor (Hyper::g_floor: sqrt(1 - beta2) / sqrt(1 - beta2^t)). The split and the max are taken on
-// every lane and the sign test only picks, so the loops around it vectorise: a max taken only
-// where the test holds is a conditional compare, which GCC will not speculate (it may trap), and
-// that kept them scalar. (The square root vectorises because the build has -fno-math-errno.)
-inline float overshoot(float s, float m, float g, float keep, float ib2, const Hyper& h) {
+// |g| g_floor (Hyper::g_floor: sqrt(1 - beta2) / sqrt(1 - beta2^t)). The split and the max are
+// taken on every lane and the sign test only picks, so the loops around it vectorise: a max
+// taken only where the test holds is a conditional compare, which GCC will not speculate (it
+// may trap), and that kept them scalar. (The square root vectorises because the build has
+// -fno-math-errno.)
+inline float denominator(float s, float m, float g, float keep, float ib2, const Hyper& h) {
   const float split = std::sqrt(s * s * keep + ib2 * m * m);
   const float wide = std::max(s, split);
   return std::max(g * m < 0.0f ? wide : s, std::fabs(g) * h.g_floor) + h.eps;
@@ -704,7 +705,7 @@ inline float first_moment(float* __restrict buf, const typename Elem<GT>::T* __r
   return amax;
 }
 
-// Loop 2: the parameter step of n elements from m in buf, with ``overshoot``'s denominator for
+// Loop 2: the parameter step of n elements from m in buf, with ``denominator`` for
 // s = ``s``, or s * fac[i] with kFac (reference.cross_factor; ``s`` is then sqrt(v))
 template <int PT, int GT, bool kFac>
 inline void move(const float* __restrict buf, typename Elem<PT>::T* __restrict p,
@@ -715,7 +716,7 @@ inline void move(const float* __restrict buf, typename Elem<PT>::T* __restrict p
   for (int64_t i = 0; i < n; ++i) {
     const float m = buf[i];
     const float pi = Elem<PT>::get(p[i]) * h.decay;
-    const float d = overshoot(kFac ? s * fac[i] : s, m, Elem<GT>::get(g[i]), keep, ib2, h);
+    const float d = denominator(kFac ? s * fac[i] : s, m, Elem<GT>::get(g[i]), keep, ib2, h);
     p[i] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + i), pk);
   }
 }
@@ -995,7 +996,7 @@ inline double column_stats(const float* __restrict buf, const typename Elem<GT>:
   return row;
 }
 
-// Pass 2: the same m again, into buf, and the parameter step with ``overshoot``'s denominator
+// Pass 2: the same m again, into buf, and the parameter step with ``denominator``
 // for each column's s and keep: s = col[k] (sqrt(v) / bc2), or with kFac col[k] * fr (``col``
 // holds sqrt(v) per column and the row's factor ``fr`` completes it)
 template <int PT, int GT, bool kLow, bool kFac>
@@ -1010,7 +1011,7 @@ inline void column_move(float* __restrict buf, typename Elem<PT>::T* __restrict 
     const float m = lerp<kLow>(buf[k] * absmax[k], gk, h.w, w1);
     buf[k] = m;
     const float pi = Elem<PT>::get(p[k]) * h.decay;
-    const float d = overshoot(kFac ? col[k] * fr : col[k], m, gk, keep[k], ib2, h);
+    const float d = denominator(kFac ? col[k] * fr : col[k], m, gk, keep[k], ib2, h);
     p[k] = Elem<PT>::put_at(pi + h.neg_step * (m / d), static_cast<uint32_t>(first + k), pk);
   }
 }
