@@ -122,6 +122,34 @@ def _fake_spawn(calls):
     return spawn
 
 
+def test_revision_follows_the_kernel_source_and_not_the_docs(tmp_path):
+    """The C++ kernel is the update on the CPU, so an edit to csrc/ must key new records."""
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    def commit(path: str, text: str) -> str:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        git("add", path)
+        git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", path)
+        return store.revision(tmp_path)["code"]
+
+    git("init", "-q")
+    first = commit("gefen_dist/a.py", "x = 1\n")
+    assert first == commit("docs/a.md", "text\n")  # a report or a doc keys nothing new
+    kernel = commit("csrc/k.cpp", "int f() { return 1; }\n")
+    assert kernel != first
+    (tmp_path / "csrc/k.cpp").write_text("int f() { return 2; }\n")
+    dirty = store.revision(tmp_path)["code"]
+    assert dirty.startswith(kernel + "-dirty-")
+    (tmp_path / "csrc/k.cpp").write_text("int f() { return 3; }\n")
+    assert store.revision(tmp_path)["code"] not in (dirty, kernel)  # the diff's own hash
+    git("checkout", "-q", "--", "csrc")
+    (tmp_path / "csrc/new.cpp").write_text("int g();\n")  # an untracked kernel file counts
+    assert store.revision(tmp_path)["code"].startswith(kernel + "-dirty-")
+
+
 def test_store_skips_done_runs_and_does_not_reuse_other_revisions(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setattr(suite, "_spawn", _fake_spawn(calls))

@@ -288,7 +288,7 @@ def test_report_renders_every_section_and_names_runs_that_did_not_train(tmp_path
     text = path.read_text()
     for heading in (
         "Command: `test`",
-        "Code revision (last commit touching `gefen_dist/`): `rev-a`",
+        "Code revision (last commit touching `gefen_dist/` or `csrc/`): `rev-a`",
         "### (a) Final val loss against lr",
         "### (b) Each optimizer at its own best lr",
         "### (c) Gefen and the other drop-ins at AdamW's best lr",

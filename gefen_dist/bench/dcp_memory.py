@@ -554,7 +554,7 @@ def report(work: str, out: str) -> None:
         "",
         "Written by `gefen_dist/bench/dcp_memory.py` (its docstring says what is measured "
         "and how).  ",
-        f"Launches ran at (last commit touching `gefen_dist/`): "
+        f"Launches ran at (last commit touching `gefen_dist/` or `csrc/`): "
         f"{', '.join(f'`{r}`' for r in ran)}; report written at `{meta['revision']}`, HEAD "
         f"`{meta['head']}`  ",
         f"Machine: {meta['machine']}, torch {meta['torch']}; gloo, CPU, one thread a rank "

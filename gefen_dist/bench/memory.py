@@ -761,7 +761,7 @@ def _write(out: Path, records: list[dict], optimizers: list[str]) -> None:
     )
     head = (
         f"Command: `{meta['command'].strip()}`  \nCode revision (last commit touching "
-        f"`gefen_dist/`): `{meta['revision']}`, HEAD `{meta['head']}`  \nMachine: "
+        f"`gefen_dist/` or `csrc/`): `{meta['revision']}`, HEAD `{meta['head']}`  \nMachine: "
         f"{meta['machine']}, torch {meta['torch']}\n\n"
     )
     blocks = "\n\nGefen's blocks:\n\n" + blocks_table(records) + "\n"

@@ -47,7 +47,7 @@ def header(cmd: str, rev: dict, ignored: dict, wall: str, jobs: int = 2) -> list
         f"Machine: {platform.machine()} ({store.cpu_model()}), {_cores()} cores, torch "
         f"{_torch()}, Python "
         f"{platform.python_version()}, one torch thread per run, at most {jobs} runs at once.  ",
-        f"Code revision (last commit touching `gefen_dist/`): `{rev['code']}`, HEAD "
+        f"Code revision (last commit touching `gefen_dist/` or `csrc/`): `{rev['code']}`, HEAD "
         f"`{rev['head']}`. Only records of this revision and these settings are used"
         + (
             f"; ignored {sum(ignored.values())} stored record(s) of other revisions "

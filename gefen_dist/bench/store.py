@@ -5,9 +5,10 @@ Versions are never mixed silently. A record is reused only when its key matches:
 optimizer, seed, a hash of the settings (sizes, hyperparameters, lr scale; for an lr-sweep run
 also its lr factor, which the key also spells out, so a sweep record can never be taken for
 a fixed-lr one nor the other way round) and the code
-revision, which is the last git commit that touched the package's code (``gefen_dist/``,
-results and docs excluded, so committing a report does not invalidate it), marked ``-dirty``
-with a hash of the uncommitted diff when the package has local changes. Records of other
+revision, which is the last git commit that touched the package's code: ``gefen_dist/`` and
+``csrc/``, whose C++ kernel is the update on the CPU (results and docs excluded, so committing a
+report does not invalidate it), marked ``-dirty`` with a hash of the uncommitted diff when
+either has local changes. Records of other
 revisions stay in the file as history; the report is built from the current revision only and
 says how many it left out.
 """
@@ -22,34 +23,40 @@ from pathlib import Path
 from typing import Any
 
 _PKG = Path(__file__).resolve().parents[1]
+# What the records' numbers depend on, relative to the checkout's root: the package, and the
+# C++ kernel's source, which sits outside it (a wheel carries its copy in gefen_dist/_csrc/).
+CODE_PATHS = ("gefen_dist", "csrc")
 
 
-def _git(*args: str) -> str:
+def _git(root: Path, *args: str) -> str:
     try:
-        p = subprocess.run(["git", *args], cwd=_PKG, capture_output=True, text=True, timeout=30)
+        p = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return ""
     return p.stdout.strip() if p.returncode == 0 else ""
 
 
-def revision() -> dict[str, str]:
-    """{'code': revision records are keyed by, 'head': HEAD at run time}."""
-    head = _git("rev-parse", "HEAD")
+def revision(root: Path | None = None) -> dict[str, str]:
+    """{'code': revision records are keyed by, 'head': HEAD at run time}. ``root``: the
+    checkout (default: the one this package is imported from)."""
+    root = root or _PKG.parent
+    head = _git(root, "rev-parse", "HEAD")
     if not head:
-        # not a git checkout: the package's own sources are the revision
+        # not a git checkout: the package's own sources, the kernel's copy included
         h = hashlib.sha256()
-        for f in sorted(_PKG.rglob("*.py")):
+        pkg = root / CODE_PATHS[0]
+        for f in sorted([*pkg.rglob("*.py"), *pkg.rglob("*.cpp")]):
             h.update(f.read_bytes())
         return dict(code="src-" + h.hexdigest()[:12], head="")
-    code = _git("log", "-1", "--format=%H", "--", ".") or head
-    diff = _git("diff", "HEAD", "--", ".")
-    untracked = _git("ls-files", "--others", "--exclude-standard", "--", ".")
+    code = _git(root, "log", "-1", "--format=%H", "--", *CODE_PATHS) or head
+    diff = _git(root, "diff", "HEAD", "--", *CODE_PATHS)
+    untracked = _git(root, "ls-files", "--others", "--exclude-standard", "--", *CODE_PATHS)
     rev = code[:12]
     if diff or untracked:
         h = hashlib.sha256(diff.encode())
         for name in sorted(untracked.split()):
-            if name.endswith(".py"):
-                h.update(name.encode() + (_PKG / name).read_bytes())
+            if name.endswith((".py", ".cpp")):
+                h.update(name.encode() + (root / name).read_bytes())
         rev += "-dirty-" + h.hexdigest()[:8]
     return dict(code=rev, head=head[:12])
 
