@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import time
 from dataclasses import replace
 
@@ -36,6 +35,7 @@ import torch
 from gefen_dist import optimizer as gopt
 from gefen_dist.backends import cross, reference
 from gefen_dist.bench import suite, tasks
+from research.high_lr_rnn import _load, _rev
 
 
 def _fresh_factor(st, h, mean_sq):
@@ -71,10 +71,8 @@ def main() -> None:
     ap.add_argument("--out", default="research/results/factor_lag.jsonl")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    done = set()
-    if os.path.exists(a.out):
-        done = {json.loads(x)["key"] for x in open(a.out) if x.strip()}
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    done = _load(a.out)
+    rev = _rev()
     t = tasks.TASKS[a.task]
     t = replace(t, hyper=replace(t.hyper, lr=a.lr))
     for seed in [int(x) for x in a.seeds.split(",")]:
@@ -95,7 +93,7 @@ def main() -> None:
                 status=body["status"],
                 final=body.get("final"),
                 seconds=round(time.time() - t0, 1),
-                rev=rev.stdout.strip(),
+                rev=rev,
                 machine=f"{platform.machine()} {os.cpu_count()} cpu, torch {torch.__version__}",
             )
             with open(a.out, "a") as f:
